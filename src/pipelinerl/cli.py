@@ -1,0 +1,72 @@
+"""`pipelinerl` command line: `train` runs a whole job; `trainer` / `actor` run one role."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from pipelinerl.config import Config, ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pipelinerl", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run a whole job: warm-start if needed, actor(s), trainer")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+
+    trainer = sub.add_parser("trainer", help="run the trainer role only")
+    trainer.add_argument("config")
+    trainer.add_argument("overrides", nargs="*")
+
+    actor = sub.add_parser("actor", help="run one actor role only")
+    actor.add_argument("config")
+    actor.add_argument("overrides", nargs="*")
+    actor.add_argument("--actor-id", type=int, default=0)
+    return p
+
+
+def _run_role(role: str, cfg: Config, fn, *args) -> int:
+    """Run a role; on failure write its traceback where the launcher shows it from."""
+    from pipelinerl.launch import ERROR_FILE, install_role_signal_handlers
+
+    install_role_signal_handlers()
+    error_file = cfg.run_dir / "logs" / ERROR_FILE.format(role=role)
+    error_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fn(cfg, *args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        error_file.write_text(traceback.format_exc())
+        raise
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"pipelinerl: {err}", file=sys.stderr)
+        return 2
+    if args.command == "train":
+        from pipelinerl.launch import launch
+
+        return launch(cfg, overwrite=args.overwrite)
+    if args.command == "trainer":
+        from pipelinerl.trainer import run_trainer
+
+        return _run_role("trainer", cfg, run_trainer)
+    from pipelinerl.actor import run_actor
+
+    return _run_role(f"actor_{args.actor_id}", cfg, run_actor, args.actor_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

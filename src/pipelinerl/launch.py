@@ -1,0 +1,165 @@
+"""Starts and supervises the roles of one run as separate OS processes.
+
+If one role dies, every other is stopped and the dead one's error is shown; Ctrl-C stops all
+cleanly. Each role is also a command of its own (`pipelinerl trainer|actor`), which is how a
+multi-machine run starts them (docs/multinode.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from pipelinerl.config import Config, save_config
+
+ERROR_FILE = "{role}.error"
+
+
+@dataclass
+class RoleProcess:
+    role: str
+    proc: subprocess.Popen
+    log_path: Path | None
+    log_file: IO | None = None
+
+
+def role_env(threads: int) -> dict[str, str]:
+    # Each role gets its own share of the cores: two roles with two threads each collapse
+    # throughput on a 2-core machine (DESIGN.md).
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def prepare_run(cfg: Config, overwrite: bool) -> Config:
+    """Create the run directory, resolve the starting model, write the resolved config."""
+    run_dir = cfg.run_dir
+    if (run_dir / "metrics.jsonl").exists() and not overwrite:
+        raise SystemExit(
+            f"run directory {run_dir} already holds a run; choose another `name=...` "
+            "or pass --overwrite"
+        )
+    if overwrite and run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if not cfg.model.path:
+        from pipelinerl.warmstart import warm_start_for_config
+
+        cfg = cfg.model_copy(deep=True)
+        cfg.model.path = str(warm_start_for_config(cfg))
+    save_config(cfg, run_dir / "config.yaml")
+    return cfg
+
+
+def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) -> RoleProcess:
+    log_path = cfg.run_dir / "logs" / f"{role}.log"
+    log_file = log_path.open("w") if to_log else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelinerl.cli", *args],
+        env=role_env(threads),
+        stdout=log_file,
+        stderr=subprocess.STDOUT if to_log else None,
+    )
+    return RoleProcess(role, proc, log_path if to_log else None, log_file)
+
+
+def _failure_report(rp: RoleProcess, run_dir: Path) -> str:
+    error_file = run_dir / "logs" / ERROR_FILE.format(role=rp.role)
+    if error_file.exists():
+        return error_file.read_text()
+    if rp.log_path is not None and rp.log_path.exists():
+        lines = rp.log_path.read_text().splitlines()[-30:]
+        return "\n".join(lines)
+    return "(no output captured; see above)"
+
+
+def _stop_all(procs: list[RoleProcess], grace_s: float = 10.0) -> None:
+    for rp in procs:
+        if rp.proc.poll() is None:
+            rp.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for rp in procs:
+        remaining = max(deadline - time.monotonic(), 0.1)
+        try:
+            rp.proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            rp.proc.kill()
+            rp.proc.wait()
+    for rp in procs:
+        if rp.log_file is not None:
+            rp.log_file.close()
+
+
+def launch(cfg: Config, overwrite: bool = False) -> int:
+    """Run a whole job on this machine; returns the process exit code."""
+    cfg = prepare_run(cfg, overwrite)
+    run_dir = cfg.run_dir
+    config_path = str(run_dir / "config.yaml")
+    redis = None
+    if cfg.stream.backend == "redis" and not cfg.stream.redis_url:
+        from pipelinerl.streams.redis_server import start_redis_server
+
+        redis = start_redis_server(dir=run_dir / "redis")
+        cfg.stream.redis_url = redis.url
+        save_config(cfg, run_dir / "config.yaml")
+
+    procs = [_spawn("trainer", ["trainer", config_path], cfg, cfg.trainer.threads, to_log=False)]
+    for i in range(cfg.actor.num_actors):
+        procs.append(
+            _spawn(f"actor_{i}", ["actor", config_path, "--actor-id", str(i)], cfg,
+                   cfg.actor.threads, to_log=True)
+        )
+    trainer = procs[0]
+    try:
+        while True:
+            time.sleep(0.2)
+            for rp in procs:
+                code = rp.proc.poll()
+                if code is None:
+                    continue
+                if rp is trainer and code == 0:
+                    # Actors see the trainer's stop record and leave on their own.
+                    _wait_then_stop(procs[1:], grace_s=30.0)
+                    print(f"run finished: {run_dir}", file=sys.stderr)
+                    return 0
+                if code == 0:
+                    reason = "exited before the trainer finished"
+                else:
+                    reason = f"failed with exit code {code}"
+                _stop_all(procs)
+                print(f"\n{rp.role} {reason}:\n{_failure_report(rp, run_dir)}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping all roles", file=sys.stderr)
+        _stop_all(procs)
+        return 130
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def _wait_then_stop(procs: list[RoleProcess], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(rp.proc.poll() is None for rp in procs):
+        time.sleep(0.1)
+    _stop_all(procs)
+
+
+def install_role_signal_handlers() -> None:
+    """SIGTERM from the launcher unwinds the role like Ctrl-C, so `finally` blocks run."""
+
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)

@@ -1,0 +1,62 @@
+"""Per-step metrics: always JSONL in the run directory; TensorBoard / W&B when asked."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pipelinerl.config import MetricsConfig
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: MetricsConfig, run_name: str, config: dict[str, Any]):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        self._wandb = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise RuntimeError(
+                    "metrics.tensorboard=true needs the tensorboard package: pip install tensorboard"
+                ) from exc
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise RuntimeError("metrics.wandb=true needs the wandb package: pip install wandb") from exc
+            self._wandb = wandb.init(project=cfg.wandb_project, name=run_name, config=config,
+                                     dir=str(run_dir))
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf; keep the file parseable by any reader.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]

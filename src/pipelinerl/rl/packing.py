@@ -1,0 +1,278 @@
+"""Turn samples into model inputs for the trainer: packed rows (default) or padded rows.
+
+Layout. A sequence is prompt + completion; the model is fed all of it but the last token,
+and input position p predicts the next token. Only completion tokens are trained, so each
+`PackedBatch` carries the input grid (rows x length) and, flat and aligned, one entry per
+trained token: where it is predicted in the grid, its id, the engine's log-prob, the policy
+version that sampled it, the advantage of its sequence and the index of its sample.
+
+Packed rows. Several sequences share one row, with position_ids restarting at 0 for each. What
+transformers 5.23 honours (measured on Qwen2 with sdpa and eager, see tests/test_packing.py):
+  - position_ids restarts with attention_mask=None: transformers detects the packed
+    sequences and builds the block-diagonal causal mask itself (flash-attention uses varlen).
+    It does so only when no KV cache is passed, and a causal LM creates a cache whenever
+    use_cache is on, which is the config default even in train mode: without use_cache=False
+    the sequences silently attend to each other. `token_logprobs` always passes it.
+  - a 4D boolean mask is honoured by sdpa but eager adds it to the scores as 0/1, silently
+    wrong; a 4D additive float mask works with both but costs rows x L^2 memory and is
+    refused by flash-attention. So we do not build 4D masks.
+Each packed `PackedBatch` is a single row, which therefore needs no padding.
+
+Padded rows. One sequence per row, right-padded, with a 2D attention_mask: the conventional
+layout, kept so a benchmark can compare and the trainer can switch (same output format).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipelinerl.types import Sample
+
+# Elements of fp32 logits materialised at once when turning logits into log-probs (256 MB).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class PackedBatch:
+    """One forward pass: an input grid plus flat per-trained-token data (K entries)."""
+
+    input_ids: Tensor  # (R, L) long
+    position_ids: Tensor  # (R, L) long, restarting at 0 for each sequence
+    attention_mask: Tensor | None  # (R, L) long padding mask; None when no row is padded
+    token_rows: Tensor  # (K,) long: grid row of the position predicting each trained token
+    token_cols: Tensor  # (K,) long: grid column of that position
+    target_ids: Tensor  # (K,) long: the trained (completion) token
+    old_logprobs: Tensor  # (K,) float32: engine log-prob mu(a_t)
+    versions: Tensor  # (K,) long: policy version that sampled the token
+    advantages: Tensor  # (K,) float32: the advantage of the token's sequence
+    seq_idx: Tensor  # (K,) long: index of the token's sample in the list given to pack/pad
+    num_sequences: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Trained tokens in this batch."""
+        return self.target_ids.numel()
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Grid cells the model computes, padding included (throughput accounting)."""
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        moved = {
+            f.name: v.to(device) if isinstance(v := getattr(self, f.name), Tensor) else v
+            for f in fields(self)
+        }
+        return PackedBatch(**moved)
+
+
+def _input_length(s: Sample) -> int:
+    if not s.prompt_ids:
+        raise ValueError("a sample needs a non-empty prompt: its first token has no context")
+    if not len(s.token_ids) == len(s.logprobs) == len(s.versions):
+        raise ValueError(
+            f"token_ids, logprobs and versions differ in length: "
+            f"{len(s.token_ids)}, {len(s.logprobs)}, {len(s.versions)}"
+        )
+    return len(s.prompt_ids) + len(s.token_ids) - 1
+
+
+def _build(
+    samples: Sequence[Sample], advantages: Tensor, rows: list[list[int]], pad_id: int
+) -> PackedBatch:
+    lengths = [[_input_length(samples[i]) for i in row] for row in rows]
+    row_lengths = [sum(ls) for ls in lengths]
+    width = max(row_lengths)
+    padded = any(n < width for n in row_lengths)
+    if padded and any(len(row) > 1 for row in rows):
+        # A 2D attention_mask switches off transformers' packed-sequence detection.
+        raise ValueError("a padded batch must hold one sequence per row")
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long) if padded else None
+    tok_rows: list[int] = []
+    tok_cols: list[int] = []
+    targets: list[int] = []
+    old_lp: list[float] = []
+    versions: list[int] = []
+    adv: list[float] = []
+    seq_idx: list[int] = []
+    for r, row in enumerate(rows):
+        offset = 0
+        for i, n in zip(row, lengths[r]):
+            s = samples[i]
+            ids = (list(s.prompt_ids) + list(s.token_ids))[:-1]
+            input_ids[r, offset : offset + n] = torch.tensor(ids, dtype=torch.long)
+            position_ids[r, offset : offset + n] = torch.arange(n)
+            # Completion token j is predicted from the position just before it.
+            first = offset + len(s.prompt_ids) - 1
+            c = len(s.token_ids)
+            tok_rows += [r] * c
+            tok_cols += range(first, first + c)
+            targets += s.token_ids
+            old_lp += s.logprobs
+            versions += s.versions
+            adv += [float(advantages[i])] * c
+            seq_idx += [i] * c
+            offset += n
+        if attention_mask is not None:
+            attention_mask[r, :offset] = 1
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        token_rows=torch.tensor(tok_rows, dtype=torch.long),
+        token_cols=torch.tensor(tok_cols, dtype=torch.long),
+        target_ids=torch.tensor(targets, dtype=torch.long),
+        old_logprobs=torch.tensor(old_lp, dtype=torch.float32),
+        versions=torch.tensor(versions, dtype=torch.long),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        seq_idx=torch.tensor(seq_idx, dtype=torch.long),
+        num_sequences=sum(len(row) for row in rows),
+    )
+
+
+def _trainable(samples: Sequence[Sample], advantages: Sequence[float] | Tensor) -> list[int]:
+    if len(advantages) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+    # An empty completion has no token to train; it would only cost compute.
+    return [i for i, s in enumerate(samples) if s.token_ids]
+
+
+def pack(
+    samples: Sequence[Sample],
+    advantages: Sequence[float] | Tensor,
+    max_tokens_per_row: int,
+    pad_id: int = 0,
+) -> list[PackedBatch]:
+    """Pack sequences into single-row batches of at most `max_tokens_per_row` input tokens.
+
+    First-fit decreasing: longest first, each into the first row with room. A sequence longer
+    than the limit gets a row of its own. Samples with no completion tokens are skipped.
+    """
+    if max_tokens_per_row < 1:
+        raise ValueError(f"max_tokens_per_row must be >= 1, got {max_tokens_per_row}")
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    keep = _trainable(samples, adv)
+    lengths = {i: _input_length(samples[i]) for i in keep}
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(keep, key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_tokens_per_row - lengths[i])
+    return [_build(samples, adv, [row], pad_id) for row in rows]
+
+
+def pad(
+    samples: Sequence[Sample],
+    advantages: Sequence[float] | Tensor,
+    max_tokens_per_batch: int | None = None,
+    pad_id: int = 0,
+) -> list[PackedBatch]:
+    """Right-padded batches, one sequence per row, in the given order.
+
+    Consecutive samples share a batch while rows x longest length stays within
+    `max_tokens_per_batch` (None: all in one batch); a sequence over the limit goes alone.
+    Samples with no completion tokens are skipped.
+    """
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    batches: list[list[int]] = []
+    width = 0
+    for i in _trainable(samples, adv):
+        n = _input_length(samples[i])
+        grown = max(width, n)
+        if batches and (
+            max_tokens_per_batch is None or grown * (len(batches[-1]) + 1) <= max_tokens_per_batch
+        ):
+            batches[-1].append(i)
+            width = grown
+        else:
+            batches.append([i])
+            width = n
+    return [_build(samples, adv, [[i] for i in b], pad_id) for b in batches]
+
+
+class _SelectedLogprobs(torch.autograd.Function):
+    """log_softmax(logits[rows] / T)[targets], computed in token chunks.
+
+    Autograd through log_softmax would keep an fp32 (K, vocab) copy alive for backward; this
+    keeps only the logits (model dtype) and one fp32 chunk at a time, in both directions.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: Tensor,
+        rows: Tensor,
+        targets: Tensor,
+        temperature: float,
+        chunk: int,
+    ) -> Tensor:
+        out = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for s in range(0, rows.numel(), chunk):
+            e = s + chunk
+            x = logits[rows[s:e]].float() / temperature
+            lse[s:e] = torch.logsumexp(x, dim=-1)
+            out[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+        ctx.save_for_backward(logits, rows, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+    ) -> tuple[Tensor, None, None, None, None]:
+        logits, rows, targets, lse = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for s in range(0, rows.numel(), ctx.chunk):
+            e = s + ctx.chunk
+            g = grad_out[s:e, None].float()
+            x = logits[rows[s:e]].float() / ctx.temperature
+            # d/dx (x_target - logsumexp x) = onehot(target) - softmax(x); chain through /T.
+            dx = torch.exp(x - lse[s:e, None]).mul_(-g).scatter_add_(-1, targets[s:e, None], g)
+            grad.index_add_(0, rows[s:e], dx.div_(ctx.temperature).to(grad.dtype))
+        return grad, None, None, None, None
+
+
+def token_logprobs(
+    model: nn.Module,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Trainer log-probs (K,) float32 of the batch's trained tokens, aligned with its fields.
+
+    Log-probs come from logits / temperature, mirroring how the engine samples. Top-k / top-p
+    truncation is NOT mirrored: the engine's log-probs then come from a renormalised truncated
+    distribution, and the difference shows up as engine-vs-trainer mismatch in `LossStats`.
+    Only the grid columns that predict a trained token are projected onto the vocabulary
+    (`logits_to_keep`), so prompt positions cost no lm_head work.
+    """
+    if batch.num_tokens == 0:
+        return torch.zeros(0, device=batch.input_ids.device)
+    cols = torch.unique(batch.token_cols)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,  # a cache disables packed-sequence masking (module docstring)
+        logits_to_keep=cols,
+    )
+    logits = out.logits  # (R, len(cols), vocab)
+    vocab = logits.shape[-1]
+    flat_rows = batch.token_rows * cols.numel() + torch.searchsorted(cols, batch.token_cols)
+    chunk = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
+    return _SelectedLogprobs.apply(
+        logits.reshape(-1, vocab), flat_rows, batch.target_ids, temperature, chunk
+    )

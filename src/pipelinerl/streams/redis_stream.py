@@ -1,0 +1,178 @@
+"""Redis Streams backend: writers XADD, the reader XREADs from the last id it returned.
+
+Why plain XREAD and not consumer groups: the trainer's position must be saved in its own
+checkpoint, atomically with the weights it trained on. A consumer group keeps that position on
+the server instead (XACK), where it runs ahead of the checkpoint: after a crash the group
+would skip records the restored model never saw. With XREAD the position is just the last id
+the reader returned (`offsets()`), the server holds no reader state, and a reader reopened
+with saved offsets continues right after it: nothing lost, nothing repeated.
+
+Each record is one entry `{w: writer_id, d: JSON}` in the stream `pipelinerl:<run>:<stream>`.
+Entry ids are assigned by the server (`*`), so several writers can share a stream, and each
+writer's records keep its order. Nothing here ever deletes a stream; trimming happens only
+through `RedisStreamReader.trim`, below ids the caller says are safely checkpointed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_SOCKET_TIMEOUT_S = 30.0  # a dead server is reported within this, never a hang
+_MAX_BLOCK_S = 5.0  # XREAD BLOCK is cut into slices well under the socket timeout
+_PIPELINE_BYTES = 4 << 20  # write_many sends this much per round trip, bounding its buffer
+_PIPELINE_RECORDS = 1000
+
+
+class StreamConnectionError(ConnectionError):
+    """The Redis server behind a stream cannot be reached."""
+
+
+def stream_key(run: str, stream: str) -> str:
+    for kind, name in (("run", run), ("stream", stream)):
+        if not _NAME_RE.match(name):
+            raise ValueError(f"{kind} {name!r} must match {_NAME_RE.pattern}")
+    return f"pipelinerl:{run}:{stream}"
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@contextmanager
+def _naming_url(url: str) -> Iterator[None]:
+    try:
+        yield
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        raise StreamConnectionError(f"redis stream server at {_redact(url)}: {e}") from e
+
+
+def _connect(url: str, retry: Retry) -> redis.Redis:
+    with _naming_url(url):
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=5.0,
+            retry=retry,
+            protocol=2,  # fixes the reply shapes parsed below (RESP3 returns dicts)
+        )
+        client.ping()  # fail at open, naming the URL, not at the first record
+    return client
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class RedisStreamWriter:
+    def __init__(self, url: str, run: str, stream: str, writer_id: str) -> None:
+        self.url = url
+        self.key = stream_key(run, stream)
+        self._writer_id = writer_id.encode()
+        # No automatic retry: an XADD retried after its reply was lost would store the record
+        # twice. A failed write raises; the next call reconnects.
+        self._client = _connect(url, Retry(NoBackoff(), 0))
+
+    def _fields(self, record: dict[str, Any]) -> dict[bytes, bytes]:
+        # Python's JSON dialect keeps NaN and +-inf, so a -inf log-prob round-trips.
+        return {b"w": self._writer_id, b"d": json.dumps(record, separators=(",", ":")).encode()}
+
+    def write(self, record: dict[str, Any]) -> None:
+        fields = self._fields(record)
+        with _naming_url(self.url):
+            self._client.xadd(self.key, fields)
+
+    def write_many(self, records: Iterable[dict[str, Any]]) -> None:
+        """Pipelined XADDs: one round trip per few MB instead of one per record."""
+        pipe = self._client.pipeline(transaction=False)
+        pending_bytes = 0
+        with _naming_url(self.url):
+            for record in records:
+                fields = self._fields(record)
+                pipe.xadd(self.key, fields)
+                pending_bytes += len(fields[b"d"])
+                if pending_bytes >= _PIPELINE_BYTES or len(pipe) >= _PIPELINE_RECORDS:
+                    pipe.execute()
+                    pending_bytes = 0
+            if len(pipe):
+                pipe.execute()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "RedisStreamWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RedisStreamReader:
+    def __init__(
+        self, url: str, run: str, stream: str, offsets: dict[str, str] | None = None
+    ) -> None:
+        self.url = url
+        self.stream = stream
+        self.key = stream_key(run, stream)
+        # "0-0": a fresh reader starts at the beginning, so records written before the trainer
+        # came up (actors start first) are not skipped.
+        self._last_id = (offsets or {}).get(stream, "0-0")
+        _parse_id(self._last_id)  # reject a malformed saved offset now
+        # Reads are idempotent (the position is ours, not the server's): retrying is safe.
+        self._client = _connect(url, Retry(ExponentialBackoff(cap=2.0, base=0.1), 3))
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
+        """Up to `max_count` records; waits at most `timeout_s` for the first one."""
+        if max_count <= 0:
+            return []
+        deadline = time.monotonic() + timeout_s
+        with _naming_url(self.url):
+            while True:
+                remaining = deadline - time.monotonic()
+                # BLOCK 0 would wait forever, so a spent timeout polls once without blocking.
+                block_ms = max(1, int(min(remaining, _MAX_BLOCK_S) * 1000)) if remaining > 0 else None
+                reply = self._client.xread({self.key: self._last_id}, count=max_count, block=block_ms)
+                if reply:
+                    entries = reply[0][1]
+                    self._last_id = entries[-1][0].decode()
+                    return [json.loads(fields[b"d"]) for _, fields in entries]
+                if block_ms is None or deadline <= time.monotonic():
+                    return []
+
+    def offsets(self) -> dict[str, str]:
+        """The id of the last record returned, per stream name."""
+        return {self.stream: self._last_id}
+
+    def trim(self, offsets: dict[str, str]) -> int:
+        """Delete the records up to and including `offsets` (from a durable checkpoint).
+
+        Call it only once no restart can go back before `offsets`; records after them, read or
+        not, are kept. Returns how many entries were deleted.
+        """
+        ms, seq = _parse_id(offsets[self.stream])
+        with _naming_url(self.url):
+            # MINID keeps ids >= its argument, so pass the id just after the saved one.
+            return int(self._client.xtrim(self.key, minid=f"{ms}-{seq + 1}", approximate=False))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "RedisStreamReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,120 @@
+"""Chain arithmetic: a synthetic task a ~1M-parameter char-level model can learn on a CPU.
+
+Prompt ``12+7-5+3=``; worked completion ``12+7=19,19-5=14,14+3=17;A=17`` (the engine's stop
+token follows). The first term is in [0, max_value], the others in [1, max_operand] with signs
+chosen so that every running total stays in [0, max_value]. Each step adds or subtracts one
+digit to at most two digits, and the left side of a step copies the previous result, so every
+character is computable from a few nearby ones: a tiny model learns the format and most of the
+arithmetic in minutes. The number of terms is drawn from a skewed distribution, so completion
+lengths run from ~12 to ~60 characters with a thin tail: the length spread that makes
+pipelined generation pay off.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Sequence
+
+from pipelinerl.tasks.base import Problem, Score
+
+ALPHABET = "0123456789+-=,;A"
+# Geometric decay of the term-count weights: most problems are short, a few are long.
+DEFAULT_DECAY = 0.6
+_TERM = re.compile(r"[+-]?\d+")
+# Bounded digit count: int() refuses >4300 digits, and no real answer is that long.
+_FINAL = re.compile(r"(?:^|;)A=(-?\d{1,9})$")
+
+
+class ChainArithmeticTask:
+    name = "arithmetic"
+    alphabet = ALPHABET
+
+    def __init__(
+        self,
+        min_terms: int = 2,
+        max_terms: int = 8,
+        term_weights: Sequence[float] | None = None,
+        max_operand: int = 9,
+        max_value: int = 99,
+    ) -> None:
+        if min_terms < 2:
+            raise ValueError(f"min_terms must be >= 2, got {min_terms}")
+        if max_terms < min_terms:
+            raise ValueError(f"max_terms must be >= min_terms ({min_terms}), got {max_terms}")
+        if max_operand < 1:
+            raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+        if max_value < 2 * max_operand:
+            # Below this some running total could neither add nor subtract the next operand.
+            raise ValueError(
+                f"max_value must be >= 2 * max_operand ({2 * max_operand}), got {max_value}"
+            )
+        n_counts = max_terms - min_terms + 1
+        if term_weights is None:
+            term_weights = [DEFAULT_DECAY**i for i in range(n_counts)]
+        term_weights = [float(w) for w in term_weights]
+        if len(term_weights) != n_counts:
+            raise ValueError(
+                f"term_weights must have max_terms - min_terms + 1 = {n_counts} entries "
+                f"(one per term count), got {len(term_weights)}"
+            )
+        if any(w < 0 for w in term_weights) or sum(term_weights) <= 0:
+            raise ValueError(f"term_weights must be >= 0 with a positive sum, got {term_weights}")
+        self.min_terms = min_terms
+        self.max_terms = max_terms
+        self.term_weights = term_weights
+        self.max_operand = max_operand
+        self.max_value = max_value
+
+    def params(self) -> dict:
+        """Everything that determines the problem distribution (used in cache keys)."""
+        return {
+            "min_terms": self.min_terms,
+            "max_terms": self.max_terms,
+            "term_weights": self.term_weights,
+            "max_operand": self.max_operand,
+            "max_value": self.max_value,
+        }
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        counts = range(self.min_terms, self.max_terms + 1)
+        n_terms = rng.choices(counts, weights=self.term_weights)[0]
+        total = rng.randint(0, self.max_value)
+        prompt = str(total)
+        for _ in range(n_terms - 1):
+            op = rng.randint(1, self.max_operand)
+            signs = [s for s, v in (("+", total + op), ("-", total - op)) if 0 <= v <= self.max_value]
+            sign = rng.choice(signs)
+            total = total + op if sign == "+" else total - op
+            prompt += f"{sign}{op}"
+        prompt += "="
+        return Problem(problem_id=f"arith:{prompt}", prompt=prompt, answer=total)
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        m = _FINAL.search(completion.strip())
+        ok = m is not None and int(m.group(1)) == int(problem.answer)
+        return Score(reward=1.0 if ok else 0.0, success=ok)
+
+    def demonstration(
+        self, problem: Problem, rng: random.Random, step_error_prob: float = 0.0
+    ) -> str:
+        """A worked solution in which each step's result is wrong with probability
+        `step_error_prob`; later steps continue consistently from the wrong value, and the
+        final answer repeats the last step's result (so a noisy chain ends wrong)."""
+        terms = [int(t) for t in _TERM.findall(problem.prompt)]
+        total = terms[0]
+        steps = []
+        for term in terms[1:]:
+            result = total + term
+            if rng.random() < step_error_prob:
+                result = self._slip(result, rng)
+            sign = "+" if term >= 0 else "-"
+            steps.append(f"{total}{sign}{abs(term)}={result}")
+            total = result
+        return ",".join(steps) + f";A={total}"
+
+    def _slip(self, value: int, rng: random.Random) -> int:
+        # Plausible slips: off by one or two, or a wrong carry/borrow (off by ten); kept in
+        # range when possible so a noisy chain still looks like the task.
+        deltas = [d for d in (-10, -2, -1, 1, 2, 10) if 0 <= value + d <= self.max_value]
+        return value + rng.choice(deltas or [1])

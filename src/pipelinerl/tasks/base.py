@@ -1,0 +1,32 @@
+"""The task interface: where prompts come from and how completions are verified."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    problem_id: str
+    prompt: str  # text fed to the tokenizer as is
+    answer: Any  # whatever the verifier needs (JSON-serialisable)
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    success: bool
+
+
+class Task(Protocol):
+    name: str
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        """Draw the next training problem."""
+        ...
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        """Verify a completion (decoded text, stop token removed). May raise on bad input."""
+        ...

@@ -1,0 +1,235 @@
+"""The trainer role: takes finished groups from the stream, takes optimizer steps, publishes
+weights.
+
+Loop (paper, "Trainer"): take B samples from the stream, compute group advantages, recompute
+log-probs with packing, REINFORCE with truncated importance weights (or PPO-clip), AdamW with
+gradient clipping, then publish the new weights (version = optimizer steps taken).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm import tqdm
+
+from pipelinerl.config import Config
+from pipelinerl.streams.base import StreamReader
+from pipelinerl.sync.base import WeightSender
+from pipelinerl.types import Group, Sample
+
+log = logging.getLogger(__name__)
+
+ROLLOUTS = "rollouts"
+CONTROL = "control"
+
+
+@dataclass
+class BatchSource:
+    """Pulls whole groups from the stream; drops (and counts) groups beyond the lag bound."""
+
+    reader: StreamReader
+    group_size: int
+    max_lag: int | None  # None: no bound (conventional mode bounds lag by construction)
+    timeout_s: float
+    buffer: list[Group] = field(default_factory=list)
+    dropped: Counter = field(default_factory=Counter)
+    wait_s: float = 0.0
+    actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def _pull(self) -> None:
+        t0 = time.monotonic()
+        records = self.reader.read(max_count=256, timeout_s=0.5)
+        self.wait_s += time.monotonic() - t0
+        for record in records:
+            try:
+                group = Group.from_dict(record)
+                _validate(group, self.group_size)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("dropping a malformed rollout record: %r", exc)
+                self.dropped["malformed"] += 1
+                continue
+            self.actor_stats[group.actor_id] = group.actor_stats
+            self.buffer.append(group)
+
+    def take(self, n_groups: int, step: int) -> list[Group]:
+        """The next `n_groups` groups usable at optimizer step `step`, in arrival order."""
+        last_arrival = time.monotonic()
+        batch: list[Group] = []
+        while len(batch) < n_groups:
+            while self.buffer and len(batch) < n_groups:
+                group = self.buffer.pop(0)
+                if self.max_lag is not None and step - _oldest_version(group) > self.max_lag:
+                    self.dropped["stale"] += 1
+                    continue
+                batch.append(group)
+            if len(batch) == n_groups:
+                break
+            before = len(self.buffer)
+            self._pull()
+            if len(self.buffer) > before:
+                last_arrival = time.monotonic()
+            elif time.monotonic() - last_arrival > self.timeout_s:
+                raise TimeoutError(
+                    f"no rollout arrived for {self.timeout_s:.0f} s at step {step} (have "
+                    f"{len(batch)}/{n_groups} groups): is every actor alive? See the run's logs/"
+                )
+        return batch
+
+
+def _oldest_version(group: Group) -> int:
+    return min(min(s.versions) for s in group.samples if s.versions)
+
+
+def _validate(group: Group, group_size: int) -> None:
+    if len(group.samples) != group_size:
+        raise ValueError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
+    for s in group.samples:
+        if not (len(s.token_ids) == len(s.logprobs) == len(s.versions)) or not s.token_ids:
+            raise ValueError(f"group {group.group_id}: token, log-prob and version lists differ in length")
+
+
+def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model: torch.nn.Module, source: BatchSource,
+                 sender: WeightSender | None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.source = source
+        self.sender = sender
+        tc = cfg.trainer
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
+        )
+        self.step = 0  # optimizer steps taken = version of the weights the trainer holds
+        self.samples_trained = 0
+        self.started_at = time.monotonic()
+        self.compute_s = 0.0
+        self.publish_s = 0.0
+        self.tokens_trained = 0
+        self.success_ema: float | None = None
+
+    def batches(self) -> Iterator[list[Group]]:
+        """Yields one batch of groups per optimizer step, on the configured schedule."""
+        n_groups = self.cfg.trainer.batch_size // self.cfg.actor.group_size
+        if self.cfg.mode == "pipeline":
+            while True:
+                yield self.source.take(n_groups, self.step)
+        g = self.cfg.conventional_g
+        while True:
+            # Conventional RL: the whole round of B*G samples is generated with frozen weights
+            # before the first of its G optimizer steps.
+            round_groups = self.source.take(n_groups * g, self.step)
+            for i in range(g):
+                yield round_groups[i * n_groups:(i + 1) * n_groups]
+
+    def train_step(self, groups: list[Group]) -> dict[str, Any]:
+        from pipelinerl.rl.step import rl_step
+
+        t0 = time.monotonic()
+        metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step)
+        self.compute_s += time.monotonic() - t0
+        self.step += 1
+        self.samples_trained += sum(len(g.samples) for g in groups)
+        self.tokens_trained += metrics["tokens"]
+        return metrics
+
+    def maybe_publish(self) -> None:
+        every = self.cfg.conventional_g if self.cfg.mode == "conventional" else self.cfg.trainer.publish_every
+        if self.sender is None or self.step % every:
+            return
+        t0 = time.monotonic()
+        self.sender.publish(trainer_weights(self.model), self.step)
+        self.publish_s = time.monotonic() - t0
+
+    def step_record(self, groups: list[Group], metrics: dict[str, Any]) -> dict[str, Any]:
+        samples: list[Sample] = [s for g in groups for s in g.samples]
+        success = sum(s.success for s in samples) / len(samples)
+        self.success_ema = success if self.success_ema is None else 0.9 * self.success_ema + 0.1 * success
+        elapsed = time.monotonic() - self.started_at
+        lengths = [len(s.token_ids) for s in samples]
+        record: dict[str, Any] = {
+            "time_s": elapsed,
+            "reward": sum(s.reward for s in samples) / len(samples),
+            "success": success,
+            "success_ema": self.success_ema,
+            "samples_trained": self.samples_trained,
+            "completion_len_mean": sum(lengths) / len(lengths),
+            "completion_len_max": max(lengths),
+            "trainer_tokens_per_s": self.tokens_trained / max(self.compute_s, 1e-9),
+            "trainer_wait_frac": self.source.wait_s / max(elapsed, 1e-9),
+            "publish_s": self.publish_s,
+            **{f"dropped_{k}": v for k, v in self.source.dropped.items()},
+            **metrics,
+        }
+        record.update(_aggregate_actor_stats(self.source.actor_stats))
+        return record
+
+
+def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, float]:
+    if not per_actor:
+        return {}
+    stats = list(per_actor.values())
+    keys = {k for s in stats for k in s}
+    out: dict[str, float] = {}
+    for key in keys:
+        values = [s.get(key, 0.0) for s in stats]
+        total_keys = ("tokens_per_s", "weight_updates", "groups_published")
+        agg = sum(values) if key in total_keys or key.startswith("skipped_") else sum(values) / len(values)
+        out[f"actor_{key}"] = agg
+    return out
+
+
+def run_trainer(cfg: Config) -> None:
+    from pipelinerl.metrics.logger import MetricsLogger
+    from pipelinerl.metrics.plot import plot_run
+    from pipelinerl.models.hf import load_model, load_tokenizer, save_model
+    from pipelinerl.roles import open_control_writer, open_rollout_reader, open_weight_sender
+
+    torch.set_num_threads(cfg.trainer.threads)
+    torch.manual_seed(cfg.trainer.seed)
+    run_dir = cfg.run_dir
+    model = load_model(cfg.model.path, dtype=torch.float32, device=cfg.trainer.device)
+    model.train()
+    tokenizer = load_tokenizer(cfg.model.path)
+    max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
+    source = BatchSource(open_rollout_reader(cfg), cfg.actor.group_size, max_lag,
+                         cfg.trainer.sample_timeout_s)
+    sender = open_weight_sender(cfg)
+    control = open_control_writer(cfg)
+    logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"))
+    trainer = Trainer(cfg, model, source, sender)
+    bar = tqdm(total=cfg.trainer.max_steps, desc="train", disable=not cfg.metrics.progress,
+               dynamic_ncols=True)
+    try:
+        for groups in trainer.batches():
+            metrics = trainer.train_step(groups)
+            trainer.maybe_publish()
+            record = trainer.step_record(groups, metrics)
+            logger.log(trainer.step, record)
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward']:.2f}", success=f"{record['success_ema']:.2f}",
+                            ess=f"{record['ess']:.3f}", lag=f"{record['lag_mean']:.2f}")
+            if trainer.step >= cfg.trainer.max_steps:
+                break
+    finally:
+        bar.close()
+        control.write({"type": "stop", "step": trainer.step})
+        control.close()
+        logger.close()
+        if sender is not None:
+            sender.close()
+    save_model(model, tokenizer, run_dir / "final")
+    if cfg.metrics.plot:
+        from pipelinerl.metrics.logger import read_metrics
+
+        plot_run(read_metrics(logger.path), run_dir / "metrics.png", title=cfg.name)
+    log.info("saved final weights to %s", run_dir / "final")

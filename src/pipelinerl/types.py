@@ -1,0 +1,79 @@
+"""Records that flow between roles: task -> actor -> engine -> stream -> trainer.
+
+Every generated token carries the log-probability the engine sampled it with and the policy
+version (number of optimizer steps behind the weights) that produced it, so lag, importance
+weights and ESS are exact per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    """A finished sequence as the engine returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each token under the distribution it was sampled from
+    versions: list[int]  # policy version that produced each token
+    finish_reason: str  # "stop" (a stop token was sampled; it is included) or "length"
+
+
+@dataclass
+class Sample:
+    """One scored attempt, as the trainer consumes it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    success: bool
+    finish_reason: str
+    group_id: str = ""
+    actor_id: int = 0
+
+
+@dataclass
+class Group:
+    """The n attempts at one prompt: the unit the actor publishes (advantages need the group)."""
+
+    group_id: str
+    prompt: str
+    samples: list[Sample]
+    actor_id: int = 0
+    actor_stats: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Group":
+        samples = [Sample(**s) for s in d["samples"]]
+        return cls(
+            group_id=d["group_id"],
+            prompt=d["prompt"],
+            samples=samples,
+            actor_id=d.get("actor_id", 0),
+            actor_stats=d.get("actor_stats", {}),
+        )

@@ -1,0 +1,53 @@
+from pathlib import Path
+
+import pytest
+
+from pipelinerl.config import ConfigError, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_defaults_and_dotted_overrides():
+    cfg = load_config(None, ["trainer.lr=3e-5", "engine.temperature=0.7", "actor.max_lag=2"])
+    assert cfg.trainer.lr == pytest.approx(3e-5)
+    assert cfg.engine.temperature == pytest.approx(0.7)
+    assert cfg.actor.max_lag == 2
+
+
+def test_unknown_key_names_the_key_and_value():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.lrr=1e-4"])
+    assert "trainer.lrr" in str(err.value) and "unknown key" in str(err.value)
+    assert "0.0001" in str(err.value)
+
+
+def test_bad_value_names_key_value_and_expectation():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.lr=fast"])
+    msg = str(err.value)
+    assert "trainer.lr" in msg and "'fast'" in msg and "number" in msg
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["engine.backend=tensorrt"])
+    assert "engine.backend" in str(err.value) and "'torch'" in str(err.value)
+
+
+def test_cross_field_check():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.batch_size=60", "actor.group_size=8"])
+    assert "multiple of" in str(err.value)
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate(path):
+    load_config(path)
