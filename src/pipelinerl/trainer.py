@@ -25,8 +25,6 @@ from pipelinerl.types import Group, Sample
 
 log = logging.getLogger(__name__)
 
-ROLLOUTS = "rollouts"
-CONTROL = "control"
 
 
 @dataclass
@@ -139,7 +137,7 @@ class Trainer:
         self.compute_s += time.monotonic() - t0
         self.step += 1
         self.samples_trained += sum(len(g.samples) for g in groups)
-        self.tokens_trained += metrics["tokens"]
+        self.tokens_trained += metrics["input_tokens"]
         return metrics
 
     def maybe_publish(self) -> None:
@@ -217,7 +215,8 @@ def run_trainer(cfg: Config) -> None:
             logger.log(trainer.step, record)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward']:.2f}", success=f"{record['success_ema']:.2f}",
-                            ess=f"{record['ess']:.3f}", lag=f"{record['lag_mean']:.2f}")
+                            ess=f"{record.get('ess', float('nan')):.3f}",
+                            lag=f"{record.get('lag_mean', float('nan')):.2f}")
             if trainer.step >= cfg.trainer.max_steps:
                 break
     finally:

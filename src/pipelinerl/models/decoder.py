@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -43,7 +46,7 @@ class DecoderConfig:
     tie_word_embeddings: bool
 
     @classmethod
-    def from_hf(cls, config: Any) -> "DecoderConfig":
+    def from_hf(cls, config: PretrainedConfig) -> "DecoderConfig":
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -79,7 +82,7 @@ class DecoderConfig:
         )
 
 
-def _default_rope_theta(config: Any) -> float:
+def _default_rope_theta(config: PretrainedConfig) -> float:
     """rope_theta of a default (unscaled) RoPE; transformers >= 5 keeps it in `rope_parameters`,
     older versions in `rope_theta` + `rope_scaling`."""
     params = getattr(config, "rope_parameters", None)
@@ -272,7 +275,7 @@ class CausalDecoder(nn.Module):
 
     def __init__(
         self,
-        hf_config: Any,
+        hf_config: PretrainedConfig,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:

@@ -257,7 +257,9 @@ def token_logprobs(
     truncation is NOT mirrored: the engine's log-probs then come from a renormalised truncated
     distribution, and the difference shows up as engine-vs-trainer mismatch in `LossStats`.
     Only the grid columns that predict a trained token are projected onto the vocabulary
-    (`logits_to_keep`), so prompt positions cost no lm_head work.
+    (`logits_to_keep`), so prompt positions cost no lm_head work in packed rows (padded rows
+    keep the union of those columns over their rows). Beyond `chunk_tokens` trained tokens
+    (default: 2^26 / vocab) the fp32 log-softmax runs chunk by chunk, forward and backward.
     """
     if batch.num_tokens == 0:
         return torch.zeros(0, device=batch.input_ids.device)
@@ -272,7 +274,10 @@ def token_logprobs(
     logits = out.logits  # (R, len(cols), vocab)
     vocab = logits.shape[-1]
     flat_rows = batch.token_rows * cols.numel() + torch.searchsorted(cols, batch.token_cols)
+    flat = logits.reshape(-1, vocab)
     chunk = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
-    return _SelectedLogprobs.apply(
-        logits.reshape(-1, vocab), flat_rows, batch.target_ids, temperature, chunk
-    )
+    if batch.num_tokens <= chunk:
+        # Small enough to materialise at once: plain autograd is faster (no recomputation).
+        x = flat[flat_rows].float() / temperature
+        return x.gather(-1, batch.target_ids[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
+    return _SelectedLogprobs.apply(flat, flat_rows, batch.target_ids, temperature, chunk)

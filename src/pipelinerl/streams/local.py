@@ -46,14 +46,14 @@ class LocalStreamWriter:
         self.path = Path(root) / stream / f"{writer_id}{_SUFFIX}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "a+b")  # readable too, to inspect a torn tail
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.close()
             raise RuntimeError(
-                f"writer {writer_id!r} of stream {stream!r} is already open in another process "
-                f"({self.path}); give each writer a distinct writer_id"
+                f"writer {writer_id!r} of stream {stream!r} is already open (here or in another "
+                f"process) at {self.path}; give each writer a distinct writer_id"
             ) from None
         # A crash mid-write leaves a torn last line. Terminating it makes it one unparseable
         # line that readers skip, rather than a prefix our next record would glue onto. The
@@ -79,7 +79,7 @@ class LocalStreamWriter:
     def close(self) -> None:
         if not self._file.closed:
             self._file.flush()
-            os.fsync(self._file.fileno())
+            os.fsync(self._file.fileno())  # once, so a clean shutdown is durable without fsync
             self._file.close()  # releases the lock
 
     def __enter__(self) -> "LocalStreamWriter":

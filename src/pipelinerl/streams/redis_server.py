@@ -59,10 +59,10 @@ def _free_port(host: str) -> int:
 
 
 def _ready(url: str, pid: int) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2.0)
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
     try:
         info = client.info()
-    except redis.exceptions.ConnectionError:
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
         return False
     finally:
         client.close()

@@ -75,7 +75,9 @@ def _connect(url: str, retry: Retry) -> redis.Redis:
 
 def _parse_id(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+    if not (ms.isdigit() and seq.isdigit()):
+        raise ValueError(f"malformed redis stream id {entry_id!r} (expected '<ms>-<seq>')")
+    return int(ms), int(seq)
 
 
 class RedisStreamWriter:
@@ -144,8 +146,12 @@ class RedisStreamReader:
             while True:
                 remaining = deadline - time.monotonic()
                 # BLOCK 0 would wait forever, so a spent timeout polls once without blocking.
-                block_ms = max(1, int(min(remaining, _MAX_BLOCK_S) * 1000)) if remaining > 0 else None
-                reply = self._client.xread({self.key: self._last_id}, count=max_count, block=block_ms)
+                block_ms = None
+                if remaining > 0:
+                    block_ms = max(1, int(min(remaining, _MAX_BLOCK_S) * 1000))
+                reply = self._client.xread(
+                    {self.key: self._last_id}, count=max_count, block=block_ms
+                )
                 if reply:
                     entries = reply[0][1]
                     self._last_id = entries[-1][0].decode()

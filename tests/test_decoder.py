@@ -1,0 +1,143 @@
+"""The hand-written decoder computes Hugging Face's logits, with and without its KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
+
+torch.set_num_threads(1)
+
+VOCAB = 50
+ATOL = 1e-4
+
+
+def tiny_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random HF model with weights large enough that its distributions are peaked.
+    qwen2: tied embeddings, q/k/v bias, GQA; llama: untied, GQA, non-default rope_theta."""
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    if arch == "qwen2":
+        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=50000.0, **common))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def decoder_from(hf: torch.nn.Module) -> CausalDecoder:
+    model = CausalDecoder(hf.config)
+    model.load_hf_weights(hf.state_dict())
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logits_match_hf_prefill_and_decode(arch: str) -> None:
+    hf = tiny_hf_model(arch)
+    model = decoder_from(hf)
+    tokens = torch.randint(0, VOCAB, (3, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        torch.testing.assert_close(model(tokens), ref, atol=ATOL, rtol=0)
+
+        # Batched prefill of different lengths into non-contiguous slots, then decode the rest
+        # of each sequence one token at a time at its own position.
+        cache = KVCache(model.config, capacity=5, max_seq_len=32, device="cpu", dtype=torch.float32)
+        lengths = torch.tensor([6, 9, 3])
+        slots = torch.tensor([0, 1, 2])
+        logits = model.prefill(cache, tokens[:, :9], lengths, slots)
+        torch.testing.assert_close(logits, ref[torch.arange(3), lengths - 1], atol=ATOL, rtol=0)
+        positions = lengths.clone()
+        while int(positions.max()) < tokens.shape[1]:
+            positions = positions.clamp(max=tokens.shape[1] - 1)
+            logits = model.decode(cache, tokens[torch.arange(3), positions], positions, int(positions.max()) + 1)
+            torch.testing.assert_close(logits, ref[torch.arange(3), positions], atol=ATOL, rtol=0)
+            positions = positions + 1
+
+
+def test_decode_attends_only_to_the_first_n_slots_and_their_lengths() -> None:
+    hf = tiny_hf_model("qwen2")
+    model = decoder_from(hf)
+    tokens = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        cache = KVCache(model.config, capacity=4, max_seq_len=16, device="cpu", dtype=torch.float32)
+        # Slots 2 and 3 hold another sequence; moving slot 3 into slot 0 must carry its cache.
+        model.prefill(cache, tokens[:, :7], torch.tensor([7, 5]), torch.tensor([3, 1]))
+        cache.k[0][2].fill_(1e4)  # a stale slot outside 0..n-1 must not leak into the result
+        cache.move(torch.tensor([3]), torch.tensor([0]), 7)
+        positions = torch.tensor([7, 5])
+        logits = model.decode(cache, tokens[torch.arange(2), positions], positions, 8)
+    torch.testing.assert_close(logits, ref[torch.arange(2), positions], atol=ATOL, rtol=0)
+
+
+def test_bfloat16_decode_stays_close_to_fp32() -> None:
+    hf = tiny_hf_model("llama")
+    model = decoder_from(hf).to(torch.bfloat16)
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(tokens).logits[:, -1]
+        cache = KVCache(model.config, capacity=2, max_seq_len=8, device="cpu", dtype=torch.bfloat16)
+        model.prefill(cache, tokens[:, :7], torch.tensor([7, 7]), torch.tensor([0, 1]))
+        logits = model.decode(cache, tokens[:, 7], torch.tensor([7, 7]), 8).float()
+    assert (logits - ref).abs().max() < 0.25 * ref.abs().max()
+
+
+def test_load_pretrained_round_trip(tmp_path: Path) -> None:
+    for arch in ("qwen2", "llama"):
+        hf = tiny_hf_model(arch)
+        hf.save_pretrained(tmp_path / arch)
+        model = load_pretrained(tmp_path / arch)
+        if arch == "qwen2":
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=ATOL, rtol=0)
+
+
+def test_load_pretrained_errors_name_the_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        load_pretrained(tmp_path / "empty")
+    tiny_hf_model("llama").config.save_pretrained(tmp_path / "config_only")
+    with pytest.raises(FileNotFoundError, match="config_only"):
+        load_pretrained(tmp_path / "config_only")
+
+
+def test_unsupported_configs_fail_clearly() -> None:
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        CausalDecoder(GPT2Config())
+    scaled = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="RoPE type 'linear'"):
+        CausalDecoder(scaled)
+
+
+def test_load_hf_weights_rejects_missing_unknown_and_misshaped() -> None:
+    hf = tiny_hf_model("llama")
+    model = CausalDecoder(hf.config)
+    weights = dict(hf.state_dict())
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        model.load_hf_weights({k: v for k, v in weights.items() if k != "lm_head.weight"})
+    with pytest.raises(KeyError, match="extra.weight"):
+        model.load_hf_weights({**weights, "extra.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        model.load_hf_weights({**weights, "model.norm.weight": torch.ones(3)})

@@ -1,0 +1,361 @@
+"""Streams: ordering, several writer processes, lossless resume, timeouts, big records."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pipelinerl.streams import (
+    Reader,
+    StreamConnectionError,
+    Writer,
+    open_reader,
+    open_writer,
+    start_redis_server,
+)
+from pipelinerl.streams.local import LocalStreamReader, LocalStreamWriter
+from pipelinerl.streams.redis_server import RedisServer
+from pipelinerl.streams.redis_stream import RedisStreamReader, stream_key
+from pipelinerl.types import Group, Sample
+
+needs_redis_binary = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server binary not on PATH"
+)
+
+
+@dataclass
+class Where:
+    """Where a test's stream lives, for either backend."""
+
+    backend: str
+    location: dict[str, Any]  # root, or url and run
+    stream: str = "rollouts"
+
+    def writer(self, writer_id: str) -> Writer:
+        return open_writer(self.backend, stream=self.stream, writer_id=writer_id, **self.location)
+
+    def reader(self, offsets: dict[str, Any] | None = None) -> Reader:
+        return open_reader(self.backend, stream=self.stream, offsets=offsets, **self.location)
+
+
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    if request.param == "local":
+        return Where("local", {"root": tmp_path / "streams"})
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return Where("redis", {"url": server.url, "run": f"test-{uuid.uuid4().hex[:12]}"})
+
+
+def drain(reader: Reader, n: int, timeout_s: float = 20.0, batch: int = 64) -> list[dict]:
+    """Read until `n` records arrived (or the deadline passes)."""
+    out: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += reader.read(min(batch, n - len(out)), timeout_s=0.5)
+    return out
+
+
+def rec(writer: str, i: int) -> dict[str, Any]:
+    return {"w": writer, "i": i, "ids": [i, i + 1, i + 2], "lp": [-0.5, -1.25]}
+
+
+# --- both backends ---------------------------------------------------------------------------
+
+
+def test_order_preserved_one_writer(where: Where) -> None:
+    with where.writer("a") as w:
+        for i in range(100):
+            w.write(rec("a", i))
+        w.write_many(rec("a", i) for i in range(100, 250))
+    with where.reader() as r:
+        assert drain(r, 250) == [rec("a", i) for i in range(250)]
+        assert r.read(10, timeout_s=0.05) == []
+
+
+_WRITER_SCRIPT = """
+import json, sys
+from pipelinerl.streams import open_writer
+where, writer_id, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+with open_writer(where.pop("backend"), writer_id=writer_id, **where) as w:
+    for i in range(n // 2):
+        w.write({"w": writer_id, "i": i, "ids": [i, i + 1, i + 2], "lp": [-0.5, -1.25]})
+    w.write_many(
+        {"w": writer_id, "i": i, "ids": [i, i + 1, i + 2], "lp": [-0.5, -1.25]}
+        for i in range(n // 2, n)
+    )
+"""
+
+
+def test_two_writer_processes_each_record_once(where: Where) -> None:
+    n = 400
+    location = {k: str(v) for k, v in where.location.items()}
+    spec = json.dumps({"backend": where.backend, "stream": where.stream, **location})
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER_SCRIPT, spec, wid, str(n)])
+        for wid in ("actor0", "actor1")
+    ]
+    with where.reader() as r:
+        got = drain(r, 2 * n, timeout_s=60.0)  # reads while the writers write
+        for p in procs:
+            assert p.wait(30) == 0
+        got += r.read(10, timeout_s=0.2)  # nothing beyond the 2N
+    assert len(got) == 2 * n
+    assert sorted((g["w"], g["i"]) for g in got) == sorted(
+        (w, i) for w in ("actor0", "actor1") for i in range(n)
+    )
+    for wid in ("actor0", "actor1"):
+        assert [g["i"] for g in got if g["w"] == wid] == list(range(n))  # per-writer order
+    assert got[0] == rec(got[0]["w"], 0)
+
+
+def test_resume_from_saved_offsets_loses_and_repeats_nothing(where: Where) -> None:
+    with where.writer("a") as wa, where.writer("b") as wb:
+        for i in range(30):
+            wa.write(rec("a", i))
+            wb.write(rec("b", i))
+        first = where.reader()
+        seen = drain(first, 25, batch=7)
+        saved = json.loads(json.dumps(first.offsets()))  # as a checkpoint stores them
+        first.read(10, timeout_s=0.1)  # read past the checkpoint, then "crash"
+        first.close()
+        for i in range(30, 40):  # writers keep going while the trainer restarts
+            wa.write(rec("a", i))
+            wb.write(rec("b", i))
+    with where.reader(offsets=saved) as resumed:
+        seen += drain(resumed, 80 - 25)
+        assert resumed.read(10, timeout_s=0.1) == []
+    assert sorted((s["w"], s["i"]) for s in seen) == sorted(
+        (w, i) for w in "ab" for i in range(40)
+    )
+    for wid in "ab":
+        assert [s["i"] for s in seen if s["w"] == wid] == list(range(40))
+
+
+def test_restarted_writer_appends(where: Where) -> None:
+    with where.writer("a") as w:
+        w.write(rec("a", 0))
+    with where.writer("a") as w:  # same id after a restart: nothing deleted, order kept
+        w.write(rec("a", 1))
+    with where.reader() as r:
+        assert drain(r, 2) == [rec("a", 0), rec("a", 1)]
+
+
+def test_read_timeout_is_bounded(where: Where) -> None:
+    with where.reader() as r:
+        t0 = time.monotonic()
+        assert r.read(10, timeout_s=0.3) == []
+        waited = time.monotonic() - t0
+        assert 0.25 <= waited < 1.5
+        t0 = time.monotonic()
+        assert r.read(10, timeout_s=0.0) == []
+        assert time.monotonic() - t0 < 0.5
+
+
+def test_read_returns_as_soon_as_a_record_arrives(where: Where) -> None:
+    with where.reader() as r, where.writer("a") as w:
+        w.write(rec("a", 0))
+        t0 = time.monotonic()
+        assert r.read(10, timeout_s=10.0) == [rec("a", 0)]
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_big_record_and_nonfinite_floats_round_trip(where: Where) -> None:
+    big = {"token_ids": list(range(150_000)), "logprobs": [-1.0 / (i + 1) for i in range(40_000)]}
+    assert len(json.dumps(big)) > 1_000_000
+    odd = {"lp": [float("-inf"), float("nan")], "text": "line\nbreak \u00e9 \u2713"}
+    with where.writer("a") as w:
+        w.write(big)
+        w.write(odd)
+    with where.reader() as r:
+        got = drain(r, 2)
+    assert got[0] == big
+    assert got[1]["lp"][0] == float("-inf") and math.isnan(got[1]["lp"][1])
+    assert got[1]["text"] == odd["text"]
+
+
+def test_group_round_trips(where: Where) -> None:
+    sample = Sample(
+        prompt_ids=[1, 2], token_ids=[3, 4], logprobs=[-0.1, -2.5], versions=[7, 8],
+        reward=1.0, success=True, finish_reason="stop", group_id="g0", actor_id=1,
+    )  # fmt: skip
+    group = Group(group_id="g0", prompt="2+2?", samples=[sample, sample], actor_id=1,
+                  actor_stats={"lag": 0.5})  # fmt: skip
+    with where.writer("a") as w:
+        w.write(group.to_dict())
+    with where.reader() as r:
+        assert Group.from_dict(drain(r, 1)[0]) == group
+
+
+# --- local ------------------------------------------------------------------------------------
+
+
+def test_local_partial_line_is_not_consumed(tmp_path: Path) -> None:
+    with LocalStreamWriter(tmp_path, "s", "a") as w:
+        w.write({"i": 0})
+    # Another writer caught mid-write: its line has no newline yet.
+    part = tmp_path / "s" / "b.jsonl"
+    full = json.dumps({"i": 1, "pad": "x" * 100}).encode() + b"\n"
+    part.write_bytes(full[:40])
+    r = LocalStreamReader(tmp_path, "s")
+    assert r.read(10, timeout_s=0.05) == [{"i": 0}]
+    assert r.read(10, timeout_s=0.05) == []
+    assert r.offsets()["b"] == 0
+    with part.open("ab") as f:
+        f.write(full[40:])
+    assert r.read(10, timeout_s=1.0) == [{"i": 1, "pad": "x" * 100}]
+    assert r.offsets()["b"] == len(full)
+    r.close()
+    assert r.offsets()["b"] == len(full)  # still valid after close, for the checkpoint
+
+
+def test_local_torn_tail_after_crash_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "s" / "a.jsonl"
+    with LocalStreamWriter(tmp_path, "s", "a") as w:
+        w.write({"i": 0})
+    with path.open("ab") as f:
+        f.write(b'{"i": 1, "tok')  # the writer process died here
+    r = LocalStreamReader(tmp_path, "s")
+    assert r.read(10, timeout_s=0.05) == [{"i": 0}]  # the torn tail is held back
+    with LocalStreamWriter(tmp_path, "s", "a") as w:  # the restarted actor
+        w.write({"i": 2})
+    assert r.read(10, timeout_s=1.0) == [{"i": 2}]
+    assert "skipping unparseable line" in caplog.text
+
+
+def test_local_busy_writer_does_not_starve_others(tmp_path: Path) -> None:
+    with LocalStreamWriter(tmp_path, "s", "a") as wa, LocalStreamWriter(tmp_path, "s", "b") as wb:
+        wa.write_many({"w": "a", "i": i} for i in range(100))
+        wb.write({"w": "b", "i": 0})
+    with LocalStreamReader(tmp_path, "s") as r:
+        assert {"w": "b", "i": 0} in r.read(4, timeout_s=1.0)
+
+
+def test_local_rejects_duplicate_writer_and_bad_offsets(tmp_path: Path) -> None:
+    with LocalStreamWriter(tmp_path, "s", "a") as w:
+        with pytest.raises(RuntimeError, match="already open"):
+            LocalStreamWriter(tmp_path, "s", "a")
+        w.write({"i": 0})
+    with pytest.raises(ValueError, match="record boundary"):
+        LocalStreamReader(tmp_path, "s", offsets={"a": 3}).read(1, timeout_s=0.0)
+    with pytest.raises(ValueError, match="past the end"):
+        LocalStreamReader(tmp_path, "s", offsets={"a": 10_000}).read(1, timeout_s=0.0)
+    with pytest.raises(ValueError, match="names a path"):
+        LocalStreamWriter(tmp_path, "s", "../x")
+
+
+def test_factory_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="known: local, redis"):
+        open_writer("kafka", stream="s", writer_id="a", root=tmp_path)
+    with pytest.raises(ValueError, match="needs root"):
+        open_reader("local", stream="s")
+    with pytest.raises(ValueError, match="needs url and run"):
+        open_reader("redis", stream="s", url="redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="needs url and run"):
+        open_writer("redis", stream="s", writer_id="a", url="", run="r")
+
+
+# --- redis ------------------------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_redis_server_binds_loopback_only(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.config_get("bind")["bind"] == "127.0.0.1"
+    assert client.config_get("protected-mode")["protected-mode"] == "yes"
+    client.close()
+    try:  # the address this host uses towards other machines, if it has one
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # UDP connect sends nothing
+            external = s.getsockname()[0]
+    except OSError:
+        external = None
+    if external and not external.startswith("127."):
+        with pytest.raises(OSError):
+            socket.create_connection((external, redis_server.port), timeout=1.0).close()
+    with pytest.raises(ValueError, match="loopback"):
+        start_redis_server(Path("/nonexistent"), bind="0.0.0.0")
+
+
+@pytest.mark.redis
+def test_redis_runs_are_namespaced(redis_server: RedisServer) -> None:
+    url = redis_server.url
+    one = Where("redis", {"url": url, "run": f"ns-{uuid.uuid4().hex[:8]}"})
+    two = Where("redis", {"url": url, "run": f"ns-{uuid.uuid4().hex[:8]}"})
+    with one.writer("a") as w:
+        w.write({"run": 1})
+    with two.reader() as r:
+        assert r.read(10, timeout_s=0.05) == []
+    client = redis.Redis.from_url(url)
+    assert client.xlen(stream_key(one.location["run"], "rollouts")) == 1
+    client.close()
+
+
+@pytest.mark.redis
+def test_redis_trim_keeps_records_after_offsets(redis_server: RedisServer) -> None:
+    run = f"trim-{uuid.uuid4().hex[:8]}"
+    where = Where("redis", {"url": redis_server.url, "run": run})
+    with where.writer("a") as w:
+        w.write_many({"i": i} for i in range(20))
+    with where.reader() as r:
+        assert len(drain(r, 8)) == 8
+        saved = r.offsets()
+        drain(r, 5)  # read past the checkpoint
+        assert isinstance(r, RedisStreamReader)
+        assert r.trim(saved) == 8
+    with where.reader(offsets=saved) as resumed:
+        assert [x["i"] for x in drain(resumed, 12)] == list(range(8, 20))
+
+
+def test_redis_connection_error_names_url() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    with pytest.raises(StreamConnectionError, match=f"127.0.0.1:{port}") as err:
+        open_writer("redis", url=url, run="r", stream="s", writer_id="a")
+    assert "hunter2" not in str(err.value)
+    with pytest.raises(StreamConnectionError, match=f"127.0.0.1:{port}"):
+        open_reader("redis", url=url, run="r", stream="s")
+
+
+@pytest.mark.redis
+@needs_redis_binary
+def test_redis_server_restart_with_append_only_file_loses_nothing(tmp_path: Path) -> None:
+    """Resume of a whole run: the server restarts in the run dir, the trainer from offsets."""
+    loc = {"run": "r", "stream": "rollouts"}
+    with start_redis_server(tmp_path / "redis") as server:
+        with open_writer("redis", url=server.url, writer_id="a", **loc) as w:
+            w.write_many({"i": i} for i in range(50))
+        with open_reader("redis", url=server.url, **loc) as r:
+            assert [x["i"] for x in drain(r, 20)] == list(range(20))
+            saved = r.offsets()
+    with start_redis_server(tmp_path / "redis") as server:
+        with open_reader("redis", url=server.url, offsets=saved, **loc) as r:
+            assert [x["i"] for x in drain(r, 30)] == list(range(20, 50))
+            assert r.read(10, timeout_s=0.05) == []
+
+
+@pytest.mark.redis
+@needs_redis_binary
+def test_redis_server_start_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="apt-get install redis-server"):
+        start_redis_server(tmp_path, binary="redis-server-missing")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            start_redis_server(tmp_path, port=taken.getsockname()[1], appendonly=False)

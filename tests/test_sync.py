@@ -1,0 +1,359 @@
+"""Weight channels between real OS processes: shared memory and gloo broadcast."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+from pipelinerl.sync import (
+    BroadcastWeightReceiver,
+    BroadcastWeightSender,
+    ShmWeightReceiver,
+    ShmWeightSender,
+    make_receiver,
+    make_sender,
+)
+from pipelinerl.sync.shm import shm_path
+
+torch.set_num_threads(1)
+SPAWN = mp.get_context("spawn")
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    """A tiny model whose values depend on position and version; lm_head is tied to embed."""
+    def ramp(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = int(torch.tensor(shape).prod())
+        return (torch.arange(n, dtype=torch.float32) / 8 + version).reshape(shape).to(dtype)
+
+    embed = ramp(40, 8)
+    return {
+        EMBED: embed,
+        "model.layers.0.mlp.weight": ramp(8, 24),
+        "model.layers.0.scale": ramp(3, dtype=torch.bfloat16),  # odd size and other dtype
+        "model.norm.weight": ramp(8),
+        HEAD: embed,
+    }
+
+
+def _targets(dtype: torch.dtype, with_head: bool = True) -> dict[str, torch.Tensor]:
+    out = {k: torch.zeros_like(v, dtype=dtype) for k, v in _weights(0).items()}
+    if not with_head:
+        del out[HEAD]
+    return out
+
+
+def _pack(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, Any]]:
+    # By value: tensors sent through a queue share memory via fds that die with the child.
+    return {k: (t.dtype, t.float().numpy()) for k, t in tensors.items()}
+
+
+def _unpack(packed: dict[str, tuple[torch.dtype, Any]]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(a).to(dtype) for k, (dtype, a) in packed.items()}
+
+
+def _assert_same(received: dict[str, torch.Tensor], version: int) -> None:
+    for name, t in received.items():
+        want = _weights(version)[name].to(t.dtype)
+        assert torch.equal(t, want), name
+
+
+def _run_id() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(q: Any, timeout: float = 60.0) -> Any:
+    item = q.get(timeout=timeout)
+    if isinstance(item, tuple) and item and item[0] == "error":
+        raise AssertionError(f"child failed: {item[1]}")
+    return item
+
+
+def _reap(*procs: Any) -> None:
+    for p in procs:
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# ---- shared memory ----------------------------------------------------------------------
+
+
+def _shm_reader(run_id: str, q: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        r = ShmWeightReceiver(run_id)
+        q.put(("first poll", r.poll()))  # before the sender has published
+        deadline = time.monotonic() + 30
+        while (version := r.poll()) is None:
+            assert time.monotonic() < deadline, "nothing published"
+            time.sleep(0.005)
+        fp32, bf16 = _targets(torch.float32), _targets(torch.bfloat16, with_head=False)
+        assert r.receive_into(fp32) == version
+        assert r.receive_into(bf16) == version  # the same version may be loaded again
+        q.put((version, _pack(fp32), _pack(bf16), r.poll()))
+        r.close()
+    except BaseException as e:
+        q.put(("error", repr(e)))
+
+
+def test_shm_across_processes_tied_and_bf16() -> None:
+    run_id = _run_id()
+    q = SPAWN.Queue()
+    reader = SPAWN.Process(target=_shm_reader, args=(run_id, q))
+    reader.start()
+    sender = ShmWeightSender(run_id)
+    try:
+        assert _get(q) == ("first poll", None)
+        sender.publish(_weights(7), version=7)
+        version, fp32, bf16, poll_after = _get(q)
+        fp32, bf16 = _unpack(fp32), _unpack(bf16)
+        assert version == 7 and poll_after is None
+        _assert_same(fp32, 7)
+        _assert_same(bf16, 7)
+        assert bf16[EMBED].dtype == torch.bfloat16
+        # Tied weights are stored once: the layout has one slot for embed and lm_head.
+        assert len(sender._layout.slots) == len(_weights(0)) - 1
+    finally:
+        _reap(reader)
+        sender.close()
+    assert not shm_path(run_id).exists()
+
+
+def _shm_writer(run_id: str, n_versions: int, to_parent: Any, to_child: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        sender = ShmWeightSender(run_id)
+        weights = {f"w{i}": torch.empty(256, 1024) for i in range(4)}  # 4 MB
+        for v in range(1, n_versions + 1):
+            for t in weights.values():
+                t.fill_(v)
+            sender.publish(weights, v)
+            time.sleep(0.002 * (v % 3))  # vary the phase against the reader
+        to_parent.put("done")
+        to_child.get(timeout=60)  # keep the file until the reader has finished
+        sender.close()
+    except BaseException as e:
+        to_parent.put(("error", repr(e)))
+
+
+def test_shm_reader_racing_writer_never_sees_a_torn_copy() -> None:
+    run_id, n_versions = _run_id(), 300
+    to_parent, to_child = SPAWN.Queue(), SPAWN.Queue()
+    writer = SPAWN.Process(target=_shm_writer, args=(run_id, n_versions, to_parent, to_child))
+    writer.start()
+    try:
+        r = ShmWeightReceiver(run_id, timeout_s=30)
+        targets = {f"w{i}": torch.empty(256, 1024) for i in range(4)}
+        seen: set[int] = set()
+        deadline = time.monotonic() + 60
+        while n_versions not in seen:
+            assert time.monotonic() < deadline
+            if r.poll() is None:
+                continue
+            v = r.receive_into(targets)
+            for name, t in targets.items():
+                assert bool((t == v).all()), f"torn copy: {name} mixes versions around {v}"
+            seen.add(v)
+        assert _get(to_parent) == "done"
+        assert len(seen) > 5
+        r.close()
+    finally:
+        to_child.put("stop")
+        _reap(writer)
+    print(f"versions received {len(seen)}/{n_versions}, torn copies retried {r.torn_retries}")
+
+
+def test_shm_errors_name_the_parameter() -> None:
+    run_id = _run_id()
+    r = ShmWeightReceiver(run_id)
+    assert r.poll() is None
+    with pytest.raises(RuntimeError, match="no weights published"):
+        r.receive_into(_targets(torch.float32))
+    sender = ShmWeightSender(run_id)
+    try:
+        sender.publish(_weights(1), 1)
+        assert r.poll() == 1
+        bad = _targets(torch.float32) | {"model.extra": torch.zeros(2)}
+        with pytest.raises(ValueError, match="model.extra"):
+            r.receive_into(bad)
+        missing = _targets(torch.float32)
+        del missing["model.norm.weight"]
+        with pytest.raises(ValueError, match="model.norm.weight"):
+            r.receive_into(missing)
+        wrong = _targets(torch.float32) | {"model.norm.weight": torch.zeros(9)}
+        with pytest.raises(ValueError, match=r"model.norm.weight.*\(8,\).*\(9,\)"):
+            r.receive_into(wrong)
+        untied = _weights(2) | {HEAD: _weights(2)[EMBED].clone()}
+        with pytest.raises(ValueError, match="lm_head.weight"):
+            sender.publish(untied, 2)
+    finally:
+        sender.close()
+        r.close()
+
+
+def test_shm_next_run_replaces_a_crashed_runs_file() -> None:
+    run_id = _run_id()
+    crashed = ShmWeightSender(run_id)
+    crashed.publish(_weights(1), 1)  # never closed, like a trainer that died
+    r = ShmWeightReceiver(run_id)
+    targets = _targets(torch.float32)
+    assert r.receive_into(targets) == 1
+    restarted = ShmWeightSender(run_id)
+    try:
+        restarted.publish({"only": torch.full((5,), 2.0)}, 2)  # new layout, new file
+        assert r.poll() == 2
+        only = {"only": torch.zeros(5)}
+        assert r.receive_into(only) == 2 and bool((only["only"] == 2).all())
+        crashed.close()  # must not unlink the file the restarted sender owns
+        assert shm_path(run_id).exists()
+    finally:
+        restarted.close()
+        r.close()
+    assert not shm_path(run_id).exists()
+
+
+def test_factory() -> None:
+    with pytest.raises(ValueError, match=r"known: \['broadcast', 'shm'\]"):
+        make_sender("carrier-pigeon")
+    with pytest.raises(ValueError, match="known"):
+        make_receiver("nccl")
+    run_id = _run_id()
+    sender = make_sender("shm", run_id=run_id)
+    receiver = make_receiver("shm", run_id=run_id)
+    assert isinstance(sender, ShmWeightSender) and isinstance(receiver, ShmWeightReceiver)
+    sender.publish(_weights(3), 3)
+    assert receiver.poll() == 3
+    sender.close()
+    receiver.close()
+    with pytest.raises(TypeError, match="n_actors"):
+        make_sender("shm", run_id=run_id, n_actors=2)
+
+
+# ---- torch.distributed broadcast (gloo) ---------------------------------------------------
+
+
+def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int],
+                    dtype: torch.dtype, timeout_s: float, q: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        r = BroadcastWeightReceiver(init, actor_id, n_actors, timeout_s=timeout_s)
+        targets = _targets(dtype, with_head=actor_id == 0)
+        for expected in versions:
+            deadline = time.monotonic() + 60
+            while r.poll() is None:
+                assert time.monotonic() < deadline, f"version {expected} never announced"
+                time.sleep(0.001)
+            v = r.receive_into(targets)
+            q.put((actor_id, v, _pack(targets)))
+        time.sleep(3600)  # the test kills or reaps us; a closed receiver would abort the sender
+    except BaseException as e:
+        q.put(("error", f"actor {actor_id}: {e}"))
+
+
+def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    q = SPAWN.Queue()
+    versions = [1, 2, 3]
+    actors = [
+        SPAWN.Process(target=_bcast_receiver,
+                      args=(init, i, 2, versions, dtype, 30.0, q))
+        for i, dtype in enumerate([torch.float32, torch.bfloat16])
+    ]
+    for p in actors:
+        p.start()
+    # 256-byte buckets split every large tensor across buckets.
+    sender = BroadcastWeightSender(init, n_actors=2, bucket_mb=256 / 2**20, timeout_s=30)
+    try:
+        for v in versions:
+            sender.per_parameter = v == 2  # receivers learn the mode from the header
+            sender.publish(_weights(v), v)
+            for _ in actors:
+                actor_id, got_v, received = _get(q)
+                assert got_v == v
+                received = _unpack(received)
+                _assert_same(received, v)
+                assert received[EMBED].dtype == (torch.float32 if actor_id == 0 else torch.bfloat16)
+            assert sender.last_transfer_s > 0
+    finally:
+        sender.close()
+        for p in actors:
+            p.kill()
+        _reap(*actors)
+
+
+def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    q = SPAWN.Queue()
+    survivor = SPAWN.Process(target=_bcast_receiver,
+                             args=(init, 0, 2, [1, 2], torch.float32, 30.0, q))
+    doomed = SPAWN.Process(target=_bcast_receiver,
+                           args=(init, 1, 2, [1], torch.float32, 30.0, q))
+    survivor.start()
+    doomed.start()
+    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=3)
+    try:
+        sender.publish(_weights(1), 1)
+        assert {_get(q)[0] for _ in range(2)} == {0, 1}
+        doomed.kill()
+        doomed.join()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"actor 1 \(rank 2\)"):
+            sender.publish(_weights(2), 2)
+        assert time.monotonic() - t0 < 3 + 2
+        # The survivor was waiting for version 2: it hears the abort, with the reason.
+        tag, message = q.get(timeout=30)
+        assert tag == "error" and "aborted version 2" in message and "actor 1 (rank 2)" in message
+        with pytest.raises(RuntimeError, match="broken"):
+            sender.publish(_weights(3), 3)
+    finally:
+        sender.close()
+        survivor.kill()
+        _reap(survivor, doomed)
+
+
+def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            BroadcastWeightSender(init, n_actors=2, timeout_s=4)
+        except BaseException as e:
+            errors.append(e)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        with pytest.raises(TimeoutError, match=r"actor 0 \(rank 1\).*missing: actor 1 \(rank 2\)$"):
+            BroadcastWeightReceiver(init, 0, 2, timeout_s=2)
+    finally:
+        thread.join()
+    assert time.monotonic() - t0 < 4 + 2
+    assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
+    assert str(errors[0]).endswith("missing: actor 1 (rank 2)")  # actor 0 did show up
+
+
+def test_broadcast_receiver_without_trainer_times_out() -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    with pytest.raises(TimeoutError, match="is the trainer up"):
+        BroadcastWeightReceiver(init, 0, 1, timeout_s=1)
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        BroadcastWeightReceiver("127.0.0.1:1234", 0, 1)
+
