@@ -306,7 +306,8 @@ def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
                            args=(init, 1, 2, [1], torch.float32, 30.0, q))
     survivor.start()
     doomed.start()
-    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=3)
+    # Spawned children take seconds to import torch: only the join waits that long.
+    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=3, rendezvous_timeout_s=60)
     try:
         sender.publish(_weights(1), 1)
         assert {_get(q)[0] for _ in range(2)} == {0, 1}
@@ -333,7 +334,7 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
 
     def trainer() -> None:
         try:
-            BroadcastWeightSender(init, n_actors=2, timeout_s=4)
+            BroadcastWeightSender(init, n_actors=2, rendezvous_timeout_s=4)
         except BaseException as e:
             errors.append(e)
 
@@ -342,7 +343,7 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
     thread.start()
     try:
         with pytest.raises(TimeoutError, match=r"actor 0 \(rank 1\).*missing: actor 1 \(rank 2\)$"):
-            BroadcastWeightReceiver(init, 0, 2, timeout_s=2)
+            BroadcastWeightReceiver(init, 0, 2, rendezvous_timeout_s=2)
     finally:
         thread.join()
     assert time.monotonic() - t0 < 4 + 2
@@ -353,7 +354,7 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
 def test_broadcast_receiver_without_trainer_times_out() -> None:
     init = f"tcp://127.0.0.1:{_free_port()}"
     with pytest.raises(TimeoutError, match="is the trainer up"):
-        BroadcastWeightReceiver(init, 0, 1, timeout_s=1)
+        BroadcastWeightReceiver(init, 0, 1, rendezvous_timeout_s=1)
     with pytest.raises(ValueError, match="tcp://host:port"):
         BroadcastWeightReceiver("127.0.0.1:1234", 0, 1)
 

@@ -54,12 +54,44 @@ def prepare_run(cfg: Config, overwrite: bool) -> Config:
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
-        from pipelinerl.warmstart import warm_start_for_config
-
         cfg = cfg.model_copy(deep=True)
-        cfg.model.path = str(warm_start_for_config(cfg))
+        cfg.model.path = str(starting_model(cfg))
+    if cfg.sync.backend == "broadcast" and not cfg.sync.init_method:
+        cfg.sync.init_method = f"tcp://127.0.0.1:{_free_port()}"
     save_config(cfg, run_dir / "config.yaml")
     return cfg
+
+
+def starting_model(cfg: Config) -> Path:
+    """The warm-started tiny model for the task (built and cached on first use)."""
+    from dataclasses import replace
+
+    from pipelinerl.tasks import make_task
+    from pipelinerl.warmstart import WarmStartConfig, warm_start
+
+    if not cfg.warmstart.enabled:
+        raise SystemExit("model.path is empty and warmstart.enabled=false: give model.path=DIR "
+                         "(a local Hugging Face model directory)")
+    ws = WarmStartConfig(preset=cfg.model.preset, seed=cfg.seed)
+    if cfg.warmstart.steps:
+        ws = replace(ws, steps=cfg.warmstart.steps)
+    if cfg.warmstart.step_error_prob >= 0:
+        ws = replace(ws, step_error_prob=cfg.warmstart.step_error_prob)
+    task = make_task(cfg.task.name, cfg.task.params)
+    if not hasattr(task, "demonstration"):
+        raise SystemExit(f"task {cfg.task.name!r} has no demonstrations to warm-start from: "
+                         "give model.path=DIR")
+    print(f"warm-start: building the starting policy (cached in {cfg.warmstart.cache_dir})",
+          file=sys.stderr)
+    return warm_start(task, ws, cache_dir=cfg.warmstart.cache_dir, progress=cfg.metrics.progress)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) -> RoleProcess:

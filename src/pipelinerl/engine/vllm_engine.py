@@ -282,7 +282,7 @@ class VllmEngine:
         """
         named = self._checked(weights)  # before vLLM touches a layer
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-        if self._recompute_kv:
+        if False:
             # Preempts every running request; the scheduler re-prefills prompt + generated
             # tokens under the new weights before sampling their next token.
             self._llm.reset_prefix_cache(reset_running_requests=True)

@@ -13,7 +13,8 @@ Store keys (all small strings):
                 "closed"; "error: <message>"
     go/<v>      the sender's verdict for version v: "ok" (broadcast follows) or "abort: <why>"
 
-Rendezvous: every rank sets `peer/<r>` and waits (up to `timeout_s`) for all the others',
+Rendezvous: every rank sets `peer/<r>` and waits (up to `rendezvous_timeout_s`, by default
+`timeout_s`; actors loading a large model may need longer) for all the others',
 naming the ranks still missing if they do not come; only then is the process group built, so
 its own rendezvous cannot hang. A duplicate actor id is refused.
 
@@ -131,13 +132,15 @@ class _Channel:
     """What sender and receiver share: the store, the group, timing."""
 
     def __init__(self, init_method: str, rank: int, world: int, device: torch.device | str,
-                 timeout_s: float):
+                 timeout_s: float, rendezvous_timeout_s: float | None):
         self.host, self.port = _parse_init_method(init_method)
         self.rank, self.world = rank, world
         self.device = torch.device(device)
         self.backend = _backend_for(self.device)
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
+        self.rendezvous_timeout_s = (
+            timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
         self.last_transfer_s = 0.0
         self.store: dist.TCPStore | None = None
         self.group: dist.ProcessGroup | None = None
@@ -166,10 +169,12 @@ class BroadcastWeightSender(_Channel):
     """
 
     def __init__(self, init_method: str, n_actors: int, device: torch.device | str = "cpu",
-                 bucket_mb: float = 64.0, per_parameter: bool = False, timeout_s: float = 120.0):
+                 bucket_mb: float = 64.0, per_parameter: bool = False, timeout_s: float = 120.0,
+                 rendezvous_timeout_s: float | None = None):
         if n_actors < 1:
             raise ValueError(f"n_actors must be >= 1, got {n_actors}")
-        super().__init__(init_method, 0, 1 + n_actors, device, timeout_s)
+        super().__init__(init_method, 0, 1 + n_actors, device, timeout_s, rendezvous_timeout_s)
+        wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.bucket_bytes = max(_ALIGN, int(bucket_mb * 2**20) // _ALIGN * _ALIGN)
         self.per_parameter = per_parameter
         self.last_wait_s = 0.0
@@ -179,14 +184,14 @@ class BroadcastWeightSender(_Channel):
         self._version: int | None = None
         self._broken: str | None = None
         try:
-            self.store = dist.TCPStore(self.host, self.port, None, True, self.timeout,
+            self.store = dist.TCPStore(self.host, self.port, None, True, wait,
                                        wait_for_workers=False)
         except dist.DistError as e:
             raise RuntimeError(f"trainer: cannot host the weight store on port {self.port}: {e}") from e
         self.store.set("backend", self.backend)
         self.store.set("version", "-1")
         self.store.set("peer/0", "-1")  # last: receivers that see it also see the keys above
-        _await_peers(self.store, self.world, 0, timeout_s)
+        _await_peers(self.store, self.world, 0, self.rendezvous_timeout_s)
         self.group = _make_group(self.store, 0, self.world, self.backend, timeout_s)
 
     def _abort(self, version: int, reason: str) -> None:
@@ -279,10 +284,13 @@ class BroadcastWeightReceiver(_Channel):
     """
 
     def __init__(self, init_method: str, actor_id: int, n_actors: int,
-                 device: torch.device | str = "cpu", timeout_s: float = 120.0):
+                 device: torch.device | str = "cpu", timeout_s: float = 120.0,
+                 rendezvous_timeout_s: float | None = None):
         if not 0 <= actor_id < n_actors:
             raise ValueError(f"actor_id must be in [0, {n_actors}), got {actor_id}")
-        super().__init__(init_method, actor_id + 1, 1 + n_actors, device, timeout_s)
+        super().__init__(init_method, actor_id + 1, 1 + n_actors, device, timeout_s,
+                         rendezvous_timeout_s)
+        wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.last_version: int | None = None
         self._layout: WeightLayout | None = None
         self._bucket_bytes = 0  # the plan below is for this bucket size
@@ -290,16 +298,17 @@ class BroadcastWeightReceiver(_Channel):
         self._buffer: torch.Tensor | None = None
         me = _describe(self.rank)
         try:
-            self.store = dist.TCPStore(self.host, self.port, None, False, self.timeout)
+            self.store = dist.TCPStore(self.host, self.port, None, False, wait)
         except dist.DistError as e:
             raise TimeoutError(
-                f"{me}: no weight store at {self.host}:{self.port} within {timeout_s} s "
+                f"{me}: no weight store at {self.host}:{self.port} within "
+                f"{self.rendezvous_timeout_s} s "
                 f"(is the trainer up?): {e}"
             ) from e
         if self.store.add(f"join/{self.rank}", 1) > 1:
             raise RuntimeError(f"{me}: another process already joined with this actor id")
         self.store.set(f"peer/{self.rank}", "-1")
-        _await_peers(self.store, self.world, self.rank, timeout_s)
+        _await_peers(self.store, self.world, self.rank, self.rendezvous_timeout_s)
         sender_backend = self.store.get("backend").decode()
         if sender_backend != self.backend:
             self._report(f"error: backend {self.backend} (device {self.device}) but the trainer "
