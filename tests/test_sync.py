@@ -153,7 +153,7 @@ def _shm_writer(run_id: str, n_versions: int, to_parent: Any, to_child: Any) -> 
 
 
 def test_shm_reader_racing_writer_never_sees_a_torn_copy() -> None:
-    run_id, n_versions = _run_id(), 300
+    run_id, n_versions = _run_id(), 150
     to_parent, to_child = SPAWN.Queue(), SPAWN.Queue()
     writer = SPAWN.Process(target=_shm_writer, args=(run_id, n_versions, to_parent, to_child))
     writer.start()
@@ -268,12 +268,12 @@ def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int]
 
 def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
     init = f"tcp://127.0.0.1:{_free_port()}"
-    q = SPAWN.Queue()
     versions = [1, 2, 3]
+    queues = [SPAWN.Queue(), SPAWN.Queue()]
+    dtypes = [torch.float32, torch.bfloat16]
     actors = [
-        SPAWN.Process(target=_bcast_receiver,
-                      args=(init, i, 2, versions, dtype, 30.0, q))
-        for i, dtype in enumerate([torch.float32, torch.bfloat16])
+        SPAWN.Process(target=_bcast_receiver, args=(init, i, 2, versions, dtypes[i], 30.0, q))
+        for i, q in enumerate(queues)
     ]
     for p in actors:
         p.start()
@@ -283,12 +283,12 @@ def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
         for v in versions:
             sender.per_parameter = v == 2  # receivers learn the mode from the header
             sender.publish(_weights(v), v)
-            for _ in actors:
+            for i, q in enumerate(queues):
                 actor_id, got_v, received = _get(q)
-                assert got_v == v
+                assert (actor_id, got_v) == (i, v)
                 received = _unpack(received)
                 _assert_same(received, v)
-                assert received[EMBED].dtype == (torch.float32 if actor_id == 0 else torch.bfloat16)
+                assert received[EMBED].dtype == dtypes[i]
             assert sender.last_transfer_s > 0
     finally:
         sender.close()
@@ -299,18 +299,19 @@ def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
 
 def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
     init = f"tcp://127.0.0.1:{_free_port()}"
-    q = SPAWN.Queue()
+    # One queue each: a child killed while its queue feeder holds the lock would block a shared one.
+    q_survivor, q_doomed = SPAWN.Queue(), SPAWN.Queue()
     survivor = SPAWN.Process(target=_bcast_receiver,
-                             args=(init, 0, 2, [1, 2], torch.float32, 30.0, q))
+                             args=(init, 0, 2, [1, 2], torch.float32, 30.0, q_survivor))
     doomed = SPAWN.Process(target=_bcast_receiver,
-                           args=(init, 1, 2, [1], torch.float32, 30.0, q))
+                           args=(init, 1, 2, [1], torch.float32, 30.0, q_doomed))
     survivor.start()
     doomed.start()
     # Spawned children take seconds to import torch: only the join waits that long.
     sender = BroadcastWeightSender(init, n_actors=2, timeout_s=3, rendezvous_timeout_s=60)
     try:
         sender.publish(_weights(1), 1)
-        assert {_get(q)[0] for _ in range(2)} == {0, 1}
+        assert _get(q_survivor)[:2] == (0, 1) and _get(q_doomed)[:2] == (1, 1)
         doomed.kill()
         doomed.join()
         t0 = time.monotonic()
@@ -318,7 +319,7 @@ def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
             sender.publish(_weights(2), 2)
         assert time.monotonic() - t0 < 3 + 2
         # The survivor was waiting for version 2: it hears the abort, with the reason.
-        tag, message = q.get(timeout=30)
+        tag, message = q_survivor.get(timeout=30)
         assert tag == "error" and "aborted version 2" in message and "actor 1 (rank 2)" in message
         with pytest.raises(RuntimeError, match="broken"):
             sender.publish(_weights(3), 3)
@@ -334,7 +335,7 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
 
     def trainer() -> None:
         try:
-            BroadcastWeightSender(init, n_actors=2, rendezvous_timeout_s=4)
+            BroadcastWeightSender(init, n_actors=2, rendezvous_timeout_s=2)
         except BaseException as e:
             errors.append(e)
 
@@ -343,10 +344,10 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
     thread.start()
     try:
         with pytest.raises(TimeoutError, match=r"actor 0 \(rank 1\).*missing: actor 1 \(rank 2\)$"):
-            BroadcastWeightReceiver(init, 0, 2, rendezvous_timeout_s=2)
+            BroadcastWeightReceiver(init, 0, 2, rendezvous_timeout_s=1)
     finally:
         thread.join()
-    assert time.monotonic() - t0 < 4 + 2
+    assert time.monotonic() - t0 < 2 + 2
     assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
     assert str(errors[0]).endswith("missing: actor 1 (rank 2)")  # actor 0 did show up
 
@@ -354,7 +355,7 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
 def test_broadcast_receiver_without_trainer_times_out() -> None:
     init = f"tcp://127.0.0.1:{_free_port()}"
     with pytest.raises(TimeoutError, match="is the trainer up"):
-        BroadcastWeightReceiver(init, 0, 1, rendezvous_timeout_s=1)
+        BroadcastWeightReceiver(init, 0, 1, rendezvous_timeout_s=0.5)
     with pytest.raises(ValueError, match="tcp://host:port"):
         BroadcastWeightReceiver("127.0.0.1:1234", 0, 1)
 

@@ -63,7 +63,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Qwen2For
 @pytest.fixture(scope="module")
 def engine(models: dict[str, tuple[Qwen2ForCausalLM, Path]]) -> VllmEngine:
     eng = VllmEngine.from_pretrained(
-        models["a"][1], capacity=8, max_seq_len=MAX_SEQ_LEN, dtype="float32", seed=0
+        models["a"][1], capacity=8, max_seq_len=MAX_SEQ_LEN, dtype=torch.float32, seed=0
     )
     yield eng
     eng.close()

@@ -18,7 +18,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -31,6 +31,7 @@ from pipelinerl.tasks import DemonstrationTask
 # Bump when a change here alters the trained weights, so stale caches are not reused.
 CODE_VERSION = 1
 MANIFEST = "warmstart.json"
+BUCKET = 8  # batches drawn at once and grouped by length
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,14 @@ class WarmStartConfig:
     bf16: bool = True  # autocast on CPU: faster than fp32 there, weights stay fp32
     # Not part of the cache key: they do not change what is learnt.
     num_threads: int = 2
-    eval_problems: int = 256  # success measured after training, recorded in the manifest
+    eval_problems: int = 256  # success measured after training, in the manifest; 0: skip
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "num_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"warm-start {name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_problems < 0:
+            raise ValueError(f"warm-start eval_problems must be >= 0, got {self.eval_problems}")
         if not 0.0 <= self.step_error_prob <= 1.0:
             raise ValueError(f"step_error_prob must be in [0, 1], got {self.step_error_prob}")
         if self.lr <= 0:
@@ -122,6 +125,7 @@ def warm_start(
         evals = {
             f"success_{name}": success_rate(model, tokenizer, task, problems, temperature, cfg.seed)
             for name, temperature in (("t1", 1.0), ("greedy", 0.0))
+            if problems
         }
         save_model(model, tokenizer, tmp)
         manifest = {
@@ -149,34 +153,52 @@ def warm_start(
     return out
 
 
-def demo_batch(
+def encode_demo(
     task: DemonstrationTask,
     tokenizer: PreTrainedTokenizerBase,
     rng: random.Random,
-    batch_size: int,
     step_error_prob: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, labels); labels are -100 on prompt and padding, so the loss
-    covers the completion and its EOS only. Prompt and completion are encoded separately,
-    as the engine sees them. No attention mask is needed: attention is causal, so real
-    tokens never see the padding that follows them."""
-    seqs, labels = [], []
-    for _ in range(batch_size):
-        problem = task.sample_problem(rng)
-        prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
-        completion = tokenizer.encode(
-            task.demonstration(problem, rng, step_error_prob), add_special_tokens=False
-        )
-        completion.append(tokenizer.eos_token_id)
-        seqs.append(prompt + completion)
-        labels.append([-100] * len(prompt) + completion)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
-    lab = torch.full((batch_size, width), -100, dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(l)] = torch.tensor(l)
-    return ids, lab
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one noisy demonstration; labels are -100 on the prompt, so the
+    loss covers the completion and its EOS only. Prompt and completion are encoded
+    separately, as the engine sees them."""
+    problem = task.sample_problem(rng)
+    prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
+    completion = tokenizer.encode(
+        task.demonstration(problem, rng, step_error_prob), add_special_tokens=False
+    )
+    completion.append(tokenizer.eos_token_id)
+    return prompt + completion, [-100] * len(prompt) + completion
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, labels). No attention mask is needed: attention is causal,
+    so real tokens never see the padding that follows them, and padding has no labels."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, (seq, lab) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, : len(lab)] = torch.tensor(lab)
+    return ids, labels
+
+
+def demo_batches(
+    task: DemonstrationTask,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: WarmStartConfig,
+    rng: random.Random,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches of fresh demonstrations. Examples are drawn BUCKET batches at a time
+    and grouped by length, so a batch is not padded to the rare long tail (about half the
+    compute with the default length distribution)."""
+    while True:
+        pool = [encode_demo(task, tokenizer, rng, cfg.step_error_prob) for _ in range(BUCKET * cfg.batch_size)]
+        pool.sort(key=lambda ex: len(ex[0]))
+        batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            yield collate(batch, tokenizer.pad_token_id)
 
 
 def train(
@@ -200,9 +222,10 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     losses = []
+    batches = demo_batches(task, tokenizer, cfg, rng)
     bar = tqdm(range(cfg.steps), desc="warm-start", disable=not progress, mininterval=1.0)
     for _ in bar:
-        ids, labels = demo_batch(task, tokenizer, rng, cfg.batch_size, cfg.step_error_prob)
+        ids, labels = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)

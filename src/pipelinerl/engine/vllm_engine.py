@@ -282,7 +282,7 @@ class VllmEngine:
         """
         named = self._checked(weights)  # before vLLM touches a layer
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-        if False:
+        if self._recompute_kv:
             # Preempts every running request; the scheduler re-prefills prompt + generated
             # tokens under the new weights before sampling their next token.
             self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -346,7 +346,7 @@ def _to_vllm(params: SamplingParams) -> VllmSamplingParams:
         top_k=params.top_k,  # 0 disables top-k in both
         max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=True,  # only the caller's stop tokens end a sequence, as in the torch engine
+        ignore_eos=True,  # only the request's stop_token_ids end it, as the protocol defines
         logprobs=0,  # the sampled token's log-prob only
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,

@@ -38,6 +38,14 @@ class ChainArithmeticTask:
         max_operand: int = 9,
         max_value: int = 99,
     ) -> None:
+        for param, value in (
+            ("min_terms", min_terms),
+            ("max_terms", max_terms),
+            ("max_operand", max_operand),
+            ("max_value", max_value),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{param} must be an integer, got {value!r}")
         if min_terms < 2:
             raise ValueError(f"min_terms must be >= 2, got {min_terms}")
         if max_terms < min_terms:
@@ -52,7 +60,10 @@ class ChainArithmeticTask:
         n_counts = max_terms - min_terms + 1
         if term_weights is None:
             term_weights = [DEFAULT_DECAY**i for i in range(n_counts)]
-        term_weights = [float(w) for w in term_weights]
+        try:
+            term_weights = [float(w) for w in term_weights]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"term_weights must be a list of numbers, got {term_weights!r}") from e
         if len(term_weights) != n_counts:
             raise ValueError(
                 f"term_weights must have max_terms - min_terms + 1 = {n_counts} entries "

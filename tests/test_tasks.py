@@ -1,0 +1,250 @@
+"""Tasks: arithmetic scoring and demonstrations, the math task's data loading and verifier
+deadline, and the registry's errors."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import statistics
+import time
+
+import pytest
+
+from pipelinerl.tasks import ChainArithmeticTask, MathTask, Problem, make_task
+from pipelinerl.tasks.math import last_boxed
+
+
+def _problem(prompt: str, answer: int) -> Problem:
+    return Problem(problem_id=f"arith:{prompt}", prompt=prompt, answer=answer)
+
+
+# ---- arithmetic ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, ok",
+    [
+        ("12+7=19,19-5=14,14+3=17;A=17", True),
+        ("12+7=19,19-5=14,14+3=17;A=17\n", True),  # trailing whitespace is harmless
+        ("12+7=20,20-5=15,15+3=17;A=17", True),  # steps are not checked, only the answer
+        ("A=17", True),
+        ("12+7=19,19-5=14,14+3=18;A=18", False),  # wrong answer
+        ("12+7=19,19-5=14,14+3=17;A=-17", False),
+        ("12+7=19,19-5=14,14+3=17", False),  # no final answer
+        ("12+7=19,19-5=14,14+3=17;A=", False),
+        ("12+7=19,19-5=14,14+3=17;A=17,", False),  # anything after the answer
+        ("12+7=19,19-5=14,14+3=17;A=17x", False),
+        ("12+7=19;A=17;A=1", False),  # the last answer counts
+        ("12+7=19,19-5=14,14+3=17A=17", False),  # answer glued to a step
+        ("A=" + "1" * 5000, False),  # absurdly long number: no int() overflow error
+        ("", False),
+    ],
+)
+def test_arithmetic_score(completion: str, ok: bool) -> None:
+    task = ChainArithmeticTask()
+    score = task.score(_problem("12+7-5+3=", 17), completion)
+    assert score.success is ok
+    assert score.reward == (1.0 if ok else 0.0)
+
+
+def test_arithmetic_problems_stay_in_range() -> None:
+    task = ChainArithmeticTask(max_operand=9, max_value=30)
+    rng = random.Random(0)
+    for _ in range(500):
+        p = task.sample_problem(rng)
+        assert re.fullmatch(r"\d+([+-]\d)+=", p.prompt), p.prompt
+        terms = [int(t) for t in re.findall(r"[+-]?\d+", p.prompt[:-1])]
+        assert 2 <= len(terms) <= 8
+        totals = [sum(terms[: i + 1]) for i in range(len(terms))]
+        assert all(0 <= v <= 30 for v in totals), p.prompt
+        assert all(1 <= abs(t) <= 9 for t in terms[1:])
+        assert p.answer == totals[-1]
+        assert p.problem_id == f"arith:{p.prompt}"
+
+
+def test_arithmetic_sampling_is_reproducible() -> None:
+    task = ChainArithmeticTask()
+    a = [task.sample_problem(random.Random(3)).prompt for _ in range(5)]
+    assert len(set(a)) == 1  # the task holds no RNG of its own: the caller's rng decides
+
+
+def test_arithmetic_lengths_have_a_tail() -> None:
+    task = ChainArithmeticTask()
+    rng = random.Random(1)
+    lengths = [len(task.demonstration(task.sample_problem(rng), rng)) for _ in range(3000)]
+    assert min(lengths) <= 12
+    assert statistics.median(lengths) <= 25
+    assert max(lengths) >= 55  # the thin tail out to max_terms
+    long_frac = sum(n >= 45 for n in lengths) / len(lengths)
+    assert 0.01 < long_frac < 0.15
+
+
+def test_clean_demonstrations_always_score_one() -> None:
+    task = ChainArithmeticTask()
+    rng = random.Random(2)
+    for _ in range(1000):
+        p = task.sample_problem(rng)
+        demo = task.demonstration(p, rng, step_error_prob=0.0)
+        assert task.score(p, demo).success, (p.prompt, demo)
+        assert set(demo) <= set(task.alphabet)
+
+
+def test_noisy_demonstrations_are_consistent_chains() -> None:
+    task = ChainArithmeticTask()
+    rng = random.Random(4)
+    wrong_steps = steps = failures = 0
+    for _ in range(500):
+        p = task.sample_problem(rng)
+        demo = task.demonstration(p, rng, step_error_prob=0.3)
+        body, final = demo.split(";A=")
+        prev = None
+        for step in body.split(","):
+            m = re.fullmatch(r"(-?\d+)([+-])(\d)=(-?\d+)", step)
+            assert m, demo
+            left, sign, op, result = int(m[1]), m[2], int(m[3]), int(m[4])
+            if prev is not None:
+                assert left == prev, demo  # continues from the (possibly wrong) result
+            true = left + op if sign == "+" else left - op
+            wrong_steps += result != true
+            steps += 1
+            prev = result
+        assert int(final) == prev
+        failures += not task.score(p, demo).success
+    assert 0.25 < wrong_steps / steps < 0.35
+    assert failures > 100
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"max_terms": 1}, "max_terms"),
+        ({"min_terms": 1}, "min_terms"),
+        ({"max_operand": 0}, "max_operand"),
+        ({"max_value": 10}, "max_value"),
+        ({"max_terms": "8"}, "max_terms"),
+        ({"term_weights": [1, 2]}, "term_weights"),
+        ({"term_weights": [0] * 7}, "term_weights"),
+        ({"nope": 1}, "nope"),
+    ],
+)
+def test_make_task_bad_params(params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as info:
+        make_task("arithmetic", params)
+    assert "arithmetic" in str(info.value)
+
+
+def test_make_task_known_and_unknown() -> None:
+    task = make_task("arithmetic", {"max_terms": 4, "term_weights": [3, 2, 1]})
+    assert isinstance(task, ChainArithmeticTask) and task.max_terms == 4
+    with pytest.raises(ValueError, match="arithmetic.*math"):
+        make_task("chess", {})
+    with pytest.raises(ValueError, match="math.*dataset_path"):
+        make_task("math", {})
+
+
+# ---- math ---------------------------------------------------------------------------------
+
+
+def hanging_verifier(gold: str, pred: str) -> bool:
+    """Run inside the verifier worker: never returns for the prediction 'hang'."""
+    while pred == "hang":
+        time.sleep(1)
+    return gold == pred
+
+
+def _write(path, lines: list[str]):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_math_bad_rows_are_counted_and_named(tmp_path, caplog) -> None:
+    data = _write(
+        tmp_path / "data.jsonl",
+        [
+            '{"problem": "1+1?", "answer": "2"}',
+            "not json",
+            '{"problem": "no answer"}',
+            "",
+            '["a list"]',
+            '{"question": "renamed", "answer": 3}',
+            '{"problem": "3*3?", "answer": 9}',
+        ],
+    )
+    with caplog.at_level(logging.WARNING):
+        task = MathTask(str(data))
+    assert [p.answer for p in task.problems] == ["2", "9"]
+    assert task.skipped == {
+        "invalid_json": 1,
+        "missing_answer": 1,
+        "not_an_object": 1,
+        "missing_problem": 1,
+    }
+    assert f"{data}:2" in caplog.text and "invalid_json" in caplog.text
+    assert f"{data}:6" in caplog.text
+    rng = random.Random(0)
+    assert task.sample_problem(rng).prompt.startswith(("1+1?", "3*3?"))
+
+
+def test_math_custom_fields_and_template(tmp_path) -> None:
+    data = _write(tmp_path / "d.jsonl", ['{"q": "What is 2+2?", "a": 4}'])
+    task = MathTask(str(data), problem_field="q", answer_field="a", prompt_template="Q: {problem}\nA:")
+    assert task.problems[0].prompt == "Q: What is 2+2?\nA:"
+    with pytest.raises(ValueError, match="problem"):
+        MathTask(str(data), prompt_template="no slot")
+
+
+def test_math_empty_or_all_bad_dataset(tmp_path) -> None:
+    empty = _write(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(ValueError, match="no usable rows.*file is empty"):
+        MathTask(str(empty))
+    bad = _write(tmp_path / "bad.jsonl", ["{", '{"problem": "x"}'])
+    with pytest.raises(ValueError, match="no usable rows.*invalid_json"):
+        MathTask(str(bad))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        MathTask(str(tmp_path / "missing.jsonl"))
+
+
+def test_last_boxed() -> None:
+    assert last_boxed(r"a \boxed{1} b \boxed{\frac{1}{2}} c") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{1} then \boxed{2") is None  # the last one is unclosed
+    assert last_boxed(r"\boxed{ }") is None
+    assert last_boxed("no box") is None
+
+
+def test_math_score_with_math_verify(tmp_path) -> None:
+    pytest.importorskip("math_verify")
+    data = _write(tmp_path / "d.jsonl", [r'{"problem": "half?", "answer": "\\frac{1}{2}"}'])
+    task = MathTask(str(data))
+    p = task.problems[0]
+    try:
+        assert task.score(p, r"so \boxed{\frac{1}{2}}").success  # exact: no worker needed
+        assert task.score(p, r"it is \boxed{0.5}").reward == 1.0
+        assert not task.score(p, r"\boxed{3}").success
+        assert not task.score(p, "1/2").success
+        assert task.stats == {"wrong": 1, "no_boxed": 1}
+    finally:
+        task.close()
+
+
+def test_math_hanging_verifier_times_out_and_recovers(tmp_path) -> None:
+    data = _write(tmp_path / "d.jsonl", ['{"problem": "p", "answer": "7"}'])
+    task = MathTask(str(data), verify_timeout_s=0.5, verifier=f"{__name__}:hanging_verifier")
+    p = task.problems[0]
+    try:
+        t0 = time.monotonic()
+        score = task.score(p, r"\boxed{hang}")
+        assert time.monotonic() - t0 < 30  # worker start-up plus the 0.5 s deadline
+        assert score.reward == 0.0 and not score.success
+        assert task.stats["timeout"] == 1
+        # The stuck worker was replaced: the next verification works.
+        assert not task.score(p, r"\boxed{8}").success
+        assert task.stats == {"timeout": 1, "wrong": 1}
+    finally:
+        task.close()
+
+
+def test_math_bad_verifier_spec(tmp_path) -> None:
+    data = _write(tmp_path / "d.jsonl", ['{"problem": "p", "answer": "7"}'])
+    with pytest.raises(ValueError, match="module:function"):
+        MathTask(str(data), verifier="no_colon")
