@@ -208,6 +208,23 @@ def test_staged_update_changes_tied_head(engine_a: VllmEngine, models) -> None:
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-4, rtol=0)
 
 
+def test_shm_channel_fills_the_staging_tensors(engine_a: VllmEngine, models, tmp_path) -> None:
+    """The actor's path: a trainer publishes its tied state dict (lm_head.weight included, as
+    the same storage as the embedding), the receiver copies into named_weights()."""
+    from pipelinerl.sync.shm import ShmWeightReceiver, ShmWeightSender
+
+    hf_b = models["b"][0]
+    sender, receiver = ShmWeightSender("vllmtest", tmp_path), ShmWeightReceiver("vllmtest", tmp_path)
+    try:
+        sender.publish(dict(hf_b.state_dict()), version=4)
+        engine_a.set_version(receiver.receive_into(engine_a.named_weights()))
+    finally:
+        receiver.close()
+        sender.close()
+    o = run(engine_a, greedy_requests(12, "shm"))["shm1"]
+    assert o.versions == [4] * 12 and o.token_ids == hf_greedy(hf_b, PROMPTS[1], 12)
+
+
 def test_bad_weights_are_refused_before_reaching_vllm(engine_a: VllmEngine, models) -> None:
     weights = checkpoint_weights(models["b"][0])
     del weights["model.layers.0.self_attn.k_proj.weight"]

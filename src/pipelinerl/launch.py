@@ -19,6 +19,8 @@ from typing import IO
 from pipelinerl.config import Config, save_config
 
 ERROR_FILE = "{role}.error"
+# How long the trainer may keep running (saving its final weights) after every actor left.
+ACTORS_GONE_GRACE_S = 120.0
 
 
 @dataclass
@@ -152,26 +154,31 @@ def launch(cfg: Config, overwrite: bool = False) -> int:
             _spawn(f"actor_{i}", ["actor", config_path, "--actor-id", str(i)], cfg,
                    cfg.actor.threads, to_log=True)
         )
-    trainer = procs[0]
+    trainer, actors = procs[0], procs[1:]
+    actors_gone_at: float | None = None
     try:
         while True:
             time.sleep(0.2)
-            for rp in procs:
-                code = rp.proc.poll()
-                if code is None:
-                    continue
-                if rp is trainer and code == 0:
-                    # Actors see the trainer's stop record and leave on their own.
-                    _wait_then_stop(procs[1:], grace_s=30.0)
-                    print(f"run finished: {run_dir}", file=sys.stderr)
-                    return 0
-                if code == 0:
-                    reason = "exited before the trainer finished"
-                else:
-                    reason = f"failed with exit code {code}"
+            failed = next((rp for rp in procs if rp.proc.poll() not in (None, 0)), None)
+            if failed is not None:
                 _stop_all(procs)
-                print(f"\n{rp.role} {reason}:\n{_failure_report(rp, run_dir)}", file=sys.stderr)
+                print(f"\n{failed.role} failed with exit code {failed.proc.returncode}:\n"
+                      f"{_failure_report(failed, run_dir)}", file=sys.stderr)
                 return 1
+            if trainer.proc.poll() == 0:
+                # Actors see the trainer's stop record and leave on their own.
+                _wait_then_stop(actors, grace_s=30.0)
+                print(f"run finished: {run_dir}", file=sys.stderr)
+                return 0
+            # Actors leave cleanly once the trainer writes its stop record, a moment before
+            # the trainer saves and exits; only a trainer left alone for long is an error.
+            if all(rp.proc.poll() == 0 for rp in actors):
+                actors_gone_at = actors_gone_at or time.monotonic()
+                if time.monotonic() - actors_gone_at > ACTORS_GONE_GRACE_S:
+                    _stop_all(procs)
+                    print("\nevery actor exited while the trainer was still running",
+                          file=sys.stderr)
+                    return 1
     except KeyboardInterrupt:
         print("\ninterrupted: stopping all roles", file=sys.stderr)
         _stop_all(procs)

@@ -2,16 +2,18 @@
 
 Prompt ``12+7-5+3=``; worked completion ``12+7=19,19-5=14,14+3=17;A=17`` (the engine's stop
 token follows). The first term is in [0, max_value], the others in [1, max_operand] with signs
-chosen so that every running total stays in [0, max_value]. Each step adds or subtracts one
-digit to at most two digits, and the left side of a step copies the previous result, so every
-character is computable from a few nearby ones: a tiny model learns the format and most of the
-arithmetic in minutes. The number of terms is drawn from a skewed distribution, so completion
-lengths run from ~12 to ~60 characters with a thin tail: the length spread that makes
-pipelined generation pay off.
+chosen so that every running total stays in [0, max_value]. Numbers are zero-padded to the
+width of max_value (``08+7=15,15-9=06;A=06``): every step then has the same shape, each digit
+depends on digits at fixed offsets, and the previous step's operand, which the next step's
+operand follows in the prompt, sits at a fixed distance. That is what lets a ~1M-parameter
+char-level model learn the format and most of the arithmetic in a few minutes on a CPU. The
+number of terms is drawn from a skewed distribution, so completion lengths run from ~12 to
+~64 characters with a thin tail: the length spread that makes pipelined generation pay off.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from typing import Sequence
@@ -76,6 +78,10 @@ class ChainArithmeticTask:
         self.term_weights = term_weights
         self.max_operand = max_operand
         self.max_value = max_value
+        # Numbers are zero-padded to a fixed width, so every step has the same shape and each
+        # digit sits at a fixed offset from the digits it depends on.
+        self.width = len(str(max_value))
+        self.op_width = len(str(max_operand))
 
     def params(self) -> dict:
         """Everything that determines the problem distribution (used in cache keys)."""
@@ -87,17 +93,20 @@ class ChainArithmeticTask:
             "max_value": self.max_value,
         }
 
+    def _num(self, value: int) -> str:
+        return f"{value:0{self.width}d}"
+
     def sample_problem(self, rng: random.Random) -> Problem:
         counts = range(self.min_terms, self.max_terms + 1)
         n_terms = rng.choices(counts, weights=self.term_weights)[0]
         total = rng.randint(0, self.max_value)
-        prompt = str(total)
+        prompt = self._num(total)
         for _ in range(n_terms - 1):
             op = rng.randint(1, self.max_operand)
             signs = [s for s, v in (("+", total + op), ("-", total - op)) if 0 <= v <= self.max_value]
             sign = rng.choice(signs)
             total = total + op if sign == "+" else total - op
-            prompt += f"{sign}{op}"
+            prompt += f"{sign}{op:0{self.op_width}d}"
         prompt += "="
         return Problem(problem_id=f"arith:{prompt}", prompt=prompt, answer=total)
 
@@ -115,17 +124,20 @@ class ChainArithmeticTask:
         terms = [int(t) for t in _TERM.findall(problem.prompt)]
         total = terms[0]
         steps = []
-        for term in terms[1:]:
+        for i, term in enumerate(terms[1:], start=1):
             result = total + term
             if rng.random() < step_error_prob:
-                result = self._slip(result, rng)
+                result += self._slip(result, terms[i + 1 :], rng)
             sign = "+" if term >= 0 else "-"
-            steps.append(f"{total}{sign}{abs(term)}={result}")
+            steps.append(f"{self._num(total)}{sign}{abs(term):0{self.op_width}d}={self._num(result)}")
             total = result
-        return ",".join(steps) + f";A={total}"
+        return ",".join(steps) + f";A={self._num(total)}"
 
-    def _slip(self, value: int, rng: random.Random) -> int:
-        # Plausible slips: off by one or two, or a wrong carry/borrow (off by ten); kept in
-        # range when possible so a noisy chain still looks like the task.
-        deltas = [d for d in (-10, -2, -1, 1, 2, 10) if 0 <= value + d <= self.max_value]
-        return value + rng.choice(deltas or [1])
+    def _slip(self, value: int, later_terms: list[int], rng: random.Random) -> int:
+        """The error added to a step's result: off by one or two, or a wrong carry/borrow (off
+        by ten), chosen so that this and every later running total stays in range and keeps
+        the fixed width; 0 (no slip) in the rare case that no error fits."""
+        totals = list(itertools.accumulate(later_terms, initial=value))
+        lo, hi = -min(totals), self.max_value - max(totals)
+        deltas = [d for d in (-10, -2, -1, 1, 2, 10) if lo <= d <= hi]
+        return rng.choice(deltas) if deltas else 0
