@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
+import re
 import socket
 import threading
 import time
@@ -39,6 +39,7 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
         EMBED: embed,
         "model.layers.0.mlp.weight": ramp(8, 24),
         "model.layers.0.scale": ramp(3, dtype=torch.bfloat16),  # odd size and other dtype
+        "model.layers.0.input_layernorm.weight": -ramp(8),
         "model.norm.weight": ramp(8),
         HEAD: embed,
     }
@@ -199,9 +200,22 @@ def test_shm_errors_name_the_parameter() -> None:
         wrong = _targets(torch.float32) | {"model.norm.weight": torch.zeros(9)}
         with pytest.raises(ValueError, match=r"model.norm.weight.*\(8,\).*\(9,\)"):
             r.receive_into(wrong)
+        tied_target = _targets(torch.float32)
+        tied_target[HEAD] = tied_target[EMBED]  # an engine that ties them too: copied once
+        assert r.receive_into(tied_target) == 1
+        _assert_same(tied_target, 1)
+        tied_wrongly = _targets(torch.float32)
+        tied_wrongly["model.norm.weight"] = tied_wrongly["model.layers.0.input_layernorm.weight"]
+        with pytest.raises(ValueError, match="are one tensor"):
+            r.receive_into(tied_wrongly)
         untied = _weights(2) | {HEAD: _weights(2)[EMBED].clone()}
         with pytest.raises(ValueError, match="lm_head.weight"):
             sender.publish(untied, 2)
+        sender._header[1] += 1  # what a trainer that dies mid-publish leaves: an odd seqlock
+        assert r.poll() is None
+        r.timeout_s = 0.2
+        with pytest.raises(TimeoutError, match="crashed mid-write"):
+            r.receive_into(_targets(torch.float32))
     finally:
         sender.close()
         r.close()
@@ -216,10 +230,15 @@ def test_shm_next_run_replaces_a_crashed_runs_file() -> None:
     assert r.receive_into(targets) == 1
     restarted = ShmWeightSender(run_id)
     try:
-        restarted.publish({"only": torch.full((5,), 2.0)}, 2)  # new layout, new file
-        assert r.poll() == 2
+        # New layout, new file, and an older version (resumed from an earlier checkpoint):
+        # the receiver follows the new trainer.
+        restarted.publish({"only": torch.full((5,), 2.0)}, 0)
+        assert r.poll() == 0
         only = {"only": torch.zeros(5)}
-        assert r.receive_into(only) == 2 and bool((only["only"] == 2).all())
+        assert r.receive_into(only) == 0 and bool((only["only"] == 2).all())
+        assert r.poll() is None
+        with pytest.raises(ValueError, match="not newer"):
+            restarted.publish({"only": torch.zeros(5)}, 0)
         crashed.close()  # must not unlink the file the restarted sender owns
         assert shm_path(run_id).exists()
     finally:
@@ -261,7 +280,11 @@ def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int]
                 time.sleep(0.001)
             v = r.receive_into(targets)
             q.put((actor_id, v, _pack(targets)))
-        time.sleep(3600)  # the test kills or reaps us; a closed receiver would abort the sender
+        while not r.closed:  # like an actor: keep polling until the trainer closes the channel
+            assert r.poll() is None
+            time.sleep(0.005)
+        r.close()
+        q.put((actor_id, "closed"))
     except BaseException as e:
         q.put(("error", f"actor {actor_id}: {e}"))
 
@@ -281,7 +304,10 @@ def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
     sender = BroadcastWeightSender(init, n_actors=2, bucket_mb=256 / 2**20, timeout_s=30)
     try:
         for v in versions:
-            sender.per_parameter = v == 2  # receivers learn the mode from the header
+            # Receivers learn the mode and bucket size from the header.
+            sender.per_parameter = v == 2
+            if v == 3:
+                sender.bucket_bytes = 2**20  # everything in one bucket
             sender.publish(_weights(v), v)
             for i, q in enumerate(queues):
                 actor_id, got_v, received = _get(q)
@@ -290,10 +316,12 @@ def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
                 _assert_same(received, v)
                 assert received[EMBED].dtype == dtypes[i]
             assert sender.last_transfer_s > 0
+        t0 = time.monotonic()
+        sender.close()  # returns once both actors have seen it
+        assert time.monotonic() - t0 < 5
+        assert [_get(q) for q in queues] == [(0, "closed"), (1, "closed")]
     finally:
         sender.close()
-        for p in actors:
-            p.kill()
         _reap(*actors)
 
 
@@ -350,6 +378,56 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
     assert time.monotonic() - t0 < 2 + 2
     assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
     assert str(errors[0]).endswith("missing: actor 1 (rank 2)")  # actor 0 did show up
+
+
+def test_broadcast_mismatched_targets_fail_at_both_ends() -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        sender = BroadcastWeightSender(init, n_actors=1, timeout_s=10)
+        try:
+            sender.publish(_weights(1), 1)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            sender.close()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        receiver = BroadcastWeightReceiver(init, 0, 1, timeout_s=10)
+        while receiver.poll() is None:
+            time.sleep(0.001)
+        wrong = _targets(torch.float32) | {"model.norm.weight": torch.zeros(9)}
+        with pytest.raises(ValueError, match="model.norm.weight"):
+            receiver.receive_into(wrong)
+    finally:
+        thread.join()
+    assert len(errors) == 1
+    message = str(errors[0])
+    assert re.search(r"actor 0 \(rank 1\) cannot take version 1: .*model.norm.weight", message)
+    receiver.close()
+
+
+def test_broadcast_backend_mismatch_fails_every_rank() -> None:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            BroadcastWeightSender(init, n_actors=1, rendezvous_timeout_s=10)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        with pytest.raises(ValueError, match="device cuda needs nccl but the trainer .* gloo"):
+            BroadcastWeightReceiver(init, 0, 1, device="cuda", rendezvous_timeout_s=10)
+    finally:
+        thread.join()
+    assert len(errors) == 1 and "actor 0 (rank 1): error: device cuda needs nccl" in str(errors[0])
 
 
 def test_broadcast_receiver_without_trainer_times_out() -> None:

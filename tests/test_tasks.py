@@ -26,6 +26,7 @@ def _problem(prompt: str, answer: int) -> Problem:
     "completion, ok",
     [
         ("12+7=19,19-5=14,14+3=17;A=17", True),
+        ("A=017", True),  # numbers are zero-padded; the value is what counts
         ("12+7=19,19-5=14,14+3=17;A=17\n", True),  # trailing whitespace is harmless
         ("12+7=20,20-5=15,15+3=17;A=17", True),  # steps are not checked, only the answer
         ("A=17", True),
@@ -53,14 +54,26 @@ def test_arithmetic_problems_stay_in_range() -> None:
     rng = random.Random(0)
     for _ in range(500):
         p = task.sample_problem(rng)
-        assert re.fullmatch(r"\d+([+-]\d)+=", p.prompt), p.prompt
+        assert re.fullmatch(r"\d\d([+-]\d)+=", p.prompt), p.prompt  # first term zero-padded
         terms = [int(t) for t in re.findall(r"[+-]?\d+", p.prompt[:-1])]
         assert 2 <= len(terms) <= 8
         totals = [sum(terms[: i + 1]) for i in range(len(terms))]
         assert all(0 <= v <= 30 for v in totals), p.prompt
-        assert all(1 <= abs(t) <= 9 for t in terms[1:])
+        operands = [abs(t) for t in terms[1:]]
+        assert all(1 <= t <= 9 for t in operands)
+        assert len(set(operands)) == len(operands)  # distinct: the next term is found by content
         assert p.answer == totals[-1]
         assert p.problem_id == f"arith:{p.prompt}"
+
+
+def test_arithmetic_wider_numbers() -> None:
+    task = ChainArithmeticTask(max_operand=12, max_value=500)
+    rng = random.Random(5)
+    p = task.sample_problem(rng)
+    demo = task.demonstration(p, rng)
+    assert re.fullmatch(r"\d{3}([+-]\d\d)+=", p.prompt), p.prompt
+    assert re.fullmatch(r"(\d{3}[+-]\d\d=\d{3},)*\d{3}[+-]\d\d=\d{3};A=\d{3}", demo), demo
+    assert task.score(p, demo).success
 
 
 def test_arithmetic_sampling_is_reproducible() -> None:
@@ -98,9 +111,11 @@ def test_noisy_demonstrations_are_consistent_chains() -> None:
         p = task.sample_problem(rng)
         demo = task.demonstration(p, rng, step_error_prob=0.3)
         body, final = demo.split(";A=")
+        assert len(final) == 2
         prev = None
         for step in body.split(","):
-            m = re.fullmatch(r"(-?\d+)([+-])(\d)=(-?\d+)", step)
+            # Slips keep every number in range, so the fixed width holds in noisy chains too.
+            m = re.fullmatch(r"(\d\d)([+-])(\d)=(\d\d)", step)
             assert m, demo
             left, sign, op, result = int(m[1]), m[2], int(m[3]), int(m[4])
             if prev is not None:
@@ -119,6 +134,7 @@ def test_noisy_demonstrations_are_consistent_chains() -> None:
     "params, needle",
     [
         ({"max_terms": 1}, "max_terms"),
+        ({"max_terms": 11}, "max_terms"),  # more than 9 distinct one-digit operands
         ({"min_terms": 1}, "min_terms"),
         ({"max_operand": 0}, "max_operand"),
         ({"max_value": 10}, "max_value"),

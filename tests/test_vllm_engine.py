@@ -18,7 +18,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E4
 from pipelinerl.engine.vllm_engine import VllmEngine  # noqa: E402
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.vllm
 
 MAX_SEQ_LEN = 64
 PROMPTS = [[1, 2, 3], [7, 30, 4, 4, 9], [12], [5, 6, 7, 8, 9, 10, 11]]
@@ -86,7 +86,11 @@ def hf_greedy(model: Qwen2ForCausalLM, ids: list[int], n: int) -> list[int]:
 
 @torch.no_grad()
 def hf_logprobs(
-    model: Qwen2ForCausalLM, prompt: list[int], tokens: list[int], temperature: float, top_k: int = 0
+    model: Qwen2ForCausalLM,
+    prompt: list[int],
+    tokens: list[int],
+    temperature: float,
+    top_k: int = 0,
 ) -> torch.Tensor:
     """Teacher-forced log-probs of `tokens` under the processed distribution softmax(logits/T),
     restricted to the top-k logits when top_k > 0."""
@@ -214,7 +218,8 @@ def test_shm_channel_fills_the_staging_tensors(engine_a: VllmEngine, models, tmp
     from pipelinerl.sync.shm import ShmWeightReceiver, ShmWeightSender
 
     hf_b = models["b"][0]
-    sender, receiver = ShmWeightSender("vllmtest", tmp_path), ShmWeightReceiver("vllmtest", tmp_path)
+    sender = ShmWeightSender("vllmtest", tmp_path)
+    receiver = ShmWeightReceiver("vllmtest", tmp_path)
     try:
         sender.publish(dict(hf_b.state_dict()), version=4)
         engine_a.set_version(receiver.receive_into(engine_a.named_weights()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "trainer":
         from pipelinerl.trainer import run_trainer
 
-        return _run_role("trainer", cfg, run_trainer)
+        rank = os.environ.get("RANK", "0")
+        return _run_role("trainer" if rank == "0" else f"trainer_rank{rank}", cfg, run_trainer)
     from pipelinerl.actor import run_actor
 
     return _run_role(f"actor_{args.actor_id}", cfg, run_actor, args.actor_id)

@@ -83,7 +83,8 @@ class TrainerConfig(_Section):
     publish_every: int = Field(default=1, gt=0, description="optimizer steps between weight pushes")
     packing: bool = True
     max_tokens_per_row: int = Field(default=1024, gt=0)
-    threads: int = Field(default=1, gt=0, description="torch threads for the trainer process")
+    threads: int = Field(default=1, gt=0, description="torch threads for each trainer process")
+    num_procs: int = Field(default=1, gt=0, description="trainer ranks on this machine (torchrun)")
     device: str = "cpu"
     loss: LossConfig = Field(default_factory=LossConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)

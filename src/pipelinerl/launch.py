@@ -99,8 +99,12 @@ def _free_port() -> int:
 def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) -> RoleProcess:
     log_path = cfg.run_dir / "logs" / f"{role}.log"
     log_file = log_path.open("w") if to_log else None
+    if args[0] == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
+    else:
+        command = [sys.executable, "-m", "pipelinerl.cli", *args]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelinerl.cli", *args],
+        command,
         env=role_env(threads),
         stdout=log_file,
         stderr=subprocess.STDOUT if to_log else None,
@@ -148,7 +152,12 @@ def launch(cfg: Config, overwrite: bool = False) -> int:
         cfg.stream.redis_url = redis.url
         save_config(cfg, run_dir / "config.yaml")
 
-    procs = [_spawn("trainer", ["trainer", config_path], cfg, cfg.trainer.threads, to_log=False)]
+    trainer_cmd = ["trainer", config_path]
+    if cfg.trainer.num_procs > 1:
+        # DDP ranks via torchrun; rank 0 reads the stream, shards groups, publishes weights.
+        trainer_cmd = ["torchrun", "--standalone", f"--nproc-per-node={cfg.trainer.num_procs}",
+                       "-m", "pipelinerl.cli", *trainer_cmd]
+    procs = [_spawn("trainer", trainer_cmd, cfg, cfg.trainer.threads, to_log=False)]
     for i in range(cfg.actor.num_actors):
         procs.append(
             _spawn(f"actor_{i}", ["actor", config_path, "--actor-id", str(i)], cfg,

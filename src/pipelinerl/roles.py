@@ -37,7 +37,7 @@ def open_control_reader(cfg: Config) -> Reader:
 def _channel_id(cfg: Config) -> str:
     # Two runs of the same name in different output directories must not share a segment.
     digest = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
-    return f"pipelinerl-{cfg.name}-{digest}"
+    return f"{cfg.name}-{digest}"
 
 
 def open_weight_sender(cfg: Config) -> WeightSender:

@@ -8,7 +8,9 @@ gradient clipping, then publish the new weights (version = optimizer steps taken
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from pipelinerl.config import Config
@@ -37,6 +40,7 @@ class BatchSource:
     timeout_s: float
     buffer: list[Group] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
+    dropped_ids: list[str] = field(default_factory=list)
     wait_s: float = 0.0
     actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -55,6 +59,10 @@ class BatchSource:
             self.actor_stats[group.actor_id] = group.actor_stats
             self.buffer.append(group)
 
+    def take_dropped_ids(self) -> list[str]:
+        ids, self.dropped_ids = self.dropped_ids, []
+        return ids
+
     def take(self, n_groups: int, step: int) -> list[Group]:
         """The next `n_groups` groups usable at optimizer step `step`, in arrival order."""
         last_arrival = time.monotonic()
@@ -64,6 +72,7 @@ class BatchSource:
                 group = self.buffer.pop(0)
                 if self.max_lag is not None and step - _oldest_version(group) > self.max_lag:
                     self.dropped["stale"] += 1
+                    self.dropped_ids.append(group.group_id)
                     continue
                 batch.append(group)
             if len(batch) == n_groups:
@@ -93,11 +102,13 @@ def _validate(group: Group, group_size: int) -> None:
 
 
 def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights by Hugging Face name (unwrapping DistributedDataParallel's `module.`)."""
+    model = getattr(model, "module", model)
     return {name: t.detach() for name, t in model.state_dict().items()}
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model: torch.nn.Module, source: BatchSource,
+    def __init__(self, cfg: Config, model: torch.nn.Module, source: BatchSource | None,
                  sender: WeightSender | None) -> None:
         self.cfg = cfg
         self.model = model
@@ -117,6 +128,7 @@ class Trainer:
 
     def batches(self) -> Iterator[list[Group]]:
         """Yields one batch of groups per optimizer step, on the configured schedule."""
+        assert self.source is not None, "only trainer rank 0 reads the stream"
         n_groups = self.cfg.trainer.batch_size // self.cfg.actor.group_size
         if self.cfg.mode == "pipeline":
             while True:
@@ -129,14 +141,16 @@ class Trainer:
             for i in range(g):
                 yield round_groups[i * n_groups:(i + 1) * n_groups]
 
-    def train_step(self, groups: list[Group]) -> dict[str, Any]:
+    def train_step(self, groups: list[Group], num_sequences: int | None = None) -> dict[str, Any]:
+        """One optimizer step on `groups` (this rank's shard of a step of `num_sequences`)."""
         from pipelinerl.rl.step import rl_step
 
         t0 = time.monotonic()
-        metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step)
+        metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
+                          num_sequences=num_sequences)
         self.compute_s += time.monotonic() - t0
         self.step += 1
-        self.samples_trained += sum(len(g.samples) for g in groups)
+        self.samples_trained += num_sequences or sum(len(g.samples) for g in groups)
         self.tokens_trained += metrics["input_tokens"]
         return metrics
 
@@ -149,6 +163,7 @@ class Trainer:
         self.publish_s = time.monotonic() - t0
 
     def step_record(self, groups: list[Group], metrics: dict[str, Any]) -> dict[str, Any]:
+        assert self.source is not None
         samples: list[Sample] = [s for g in groups for s in g.samples]
         success = sum(s.success for s in samples) / len(samples)
         self.success_ema = success if self.success_ema is None else 0.9 * self.success_ema + 0.1 * success
@@ -186,49 +201,97 @@ def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, 
     return out
 
 
+def init_distributed(device: str) -> tuple[int, int, str]:
+    """Join the trainer's process group when started by torchrun; returns (rank, world, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    rank = int(os.environ["RANK"])
+    if device.startswith("cuda"):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend)
+    return rank, world, device
+
+
+def share_groups(groups: list[Group] | None, rank: int, world: int) -> list[Group]:
+    """Rank 0 read the step's groups; every rank gets its equal shard (groups are whole)."""
+    if world == 1:
+        assert groups is not None
+        return groups
+    payload = [[g.to_dict() for g in groups] if rank == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return [Group.from_dict(d) for d in payload[0][rank::world]]
+
+
 def run_trainer(cfg: Config) -> None:
-    from pipelinerl.metrics.logger import MetricsLogger
+    from pipelinerl.metrics.logger import MetricsLogger, read_metrics
     from pipelinerl.metrics.plot import plot_run
     from pipelinerl.models.hf import load_model, load_tokenizer, save_model
     from pipelinerl.roles import open_control_writer, open_rollout_reader, open_weight_sender
 
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.trainer.seed)
+    rank, world, device = init_distributed(cfg.trainer.device)
+    n_groups = cfg.trainer.batch_size // cfg.actor.group_size
+    if n_groups % world:
+        raise ValueError(f"trainer.batch_size / actor.group_size = {n_groups} groups per step "
+                         f"cannot be split evenly over {world} trainer ranks")
+    is_main = rank == 0
     run_dir = cfg.run_dir
-    model = load_model(cfg.model.path, dtype=torch.float32, device=cfg.trainer.device)
+    model = load_model(cfg.model.path, dtype=torch.float32, device=device)
     model.train()
-    tokenizer = load_tokenizer(cfg.model.path)
-    max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
-    source = BatchSource(open_rollout_reader(cfg), cfg.actor.group_size, max_lag,
-                         cfg.trainer.sample_timeout_s)
-    sender = open_weight_sender(cfg)
-    control = open_control_writer(cfg)
-    logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"))
-    trainer = Trainer(cfg, model, source, sender)
-    bar = tqdm(total=cfg.trainer.max_steps, desc="train", disable=not cfg.metrics.progress,
-               dynamic_ncols=True)
+    wrapped: torch.nn.Module = model
+    if world > 1:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    source = sender = control = logger = None
+    if is_main:
+        max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
+        source = BatchSource(open_rollout_reader(cfg), cfg.actor.group_size, max_lag,
+                             cfg.trainer.sample_timeout_s)
+        sender = open_weight_sender(cfg)
+        control = open_control_writer(cfg)
+        logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"))
+    trainer = Trainer(cfg, wrapped, source, sender)
+    batches = trainer.batches() if is_main else None
+    audit = (run_dir / "trained.jsonl").open("a", buffering=1) if is_main else None
+    bar = tqdm(total=cfg.trainer.max_steps, desc="train", dynamic_ncols=True,
+               disable=not (cfg.metrics.progress and is_main))
     try:
-        for groups in trainer.batches():
-            metrics = trainer.train_step(groups)
+        while trainer.step < cfg.trainer.max_steps:
+            groups = next(batches) if batches is not None else None
+            shard = share_groups(groups, rank, world)
+            metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)
+            if not is_main:
+                continue
+            assert groups is not None and logger is not None and audit is not None
             trainer.maybe_publish()
             record = trainer.step_record(groups, metrics)
             logger.log(trainer.step, record)
+            audit.write(json.dumps({"step": trainer.step, "trained": [g.group_id for g in groups],
+                                    "dropped": trainer.source.take_dropped_ids()}) + "\n")
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward']:.2f}", success=f"{record['success_ema']:.2f}",
                             ess=f"{record.get('ess', float('nan')):.3f}",
                             lag=f"{record.get('lag_mean', float('nan')):.2f}")
-            if trainer.step >= cfg.trainer.max_steps:
-                break
     finally:
         bar.close()
-        control.write({"type": "stop", "step": trainer.step})
-        control.close()
-        logger.close()
-        if sender is not None:
-            sender.close()
-    save_model(model, tokenizer, run_dir / "final")
+        if is_main:
+            control.write({"type": "stop", "step": trainer.step})
+            control.close()
+            logger.close()
+            audit.close()
+            if sender is not None:
+                sender.close()
+        if world > 1:
+            dist.destroy_process_group()
+    if not is_main:
+        return
+    save_model(model, load_tokenizer(cfg.model.path), run_dir / "final")
     if cfg.metrics.plot:
-        from pipelinerl.metrics.logger import read_metrics
-
         plot_run(read_metrics(logger.path), run_dir / "metrics.png", title=cfg.name)
     log.info("saved final weights to %s", run_dir / "final")

@@ -93,30 +93,25 @@ class VllmEngine:
         self,
         llm: LLMEngine,
         model_path: Path,
+        shapes: dict[str, tuple[int, ...]],
         *,
+        tied: bool,
         capacity: int,
         max_seq_len: int,
         recompute_kv_on_update: bool,
     ) -> None:
         self._llm = llm
         self._model_path = model_path
+        self._shapes = shapes  # checkpoint names and shapes: what an update must supply
+        self._tied = tied
         self._capacity = capacity
         self._max_seq_len = max_seq_len
         self._recompute_kv = recompute_kv_on_update
         self._active: dict[str, _Sequence] = {}
         self._staging: dict[str, torch.Tensor] | None = None
+        self._vocab_size = llm.model_config.get_vocab_size()
+        self.dtype: torch.dtype = llm.model_config.dtype
         self.version = 0
-
-        model_config = llm.model_config
-        self.dtype: torch.dtype = model_config.dtype
-        self._vocab_size = model_config.get_vocab_size()
-        self._tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
-        self._shapes = _checkpoint_shapes(model_path)
-        if self._tied and _EMBED not in self._shapes:
-            raise ValueError(
-                f"{model_path}: tied word embeddings but no {_EMBED!r} in the checkpoint; "
-                "VllmEngine knows the tie of Qwen2/Llama-style models only"
-            )
 
     @classmethod
     def from_pretrained(
@@ -166,6 +161,13 @@ class VllmEngine:
             **engine_kwargs,
         )
         config = args.create_engine_config()
+        shapes = _checkpoint_shapes(Path(path))
+        tied = bool(getattr(config.model_config.hf_text_config, "tie_word_embeddings", False))
+        if tied and _EMBED not in shapes:
+            raise ValueError(
+                f"{path}: tied word embeddings but no {_EMBED!r} in the checkpoint; "
+                "VllmEngine knows the tie of Qwen2/Llama-style models only"
+            )
         parallel = config.parallel_config
         if parallel.distributed_executor_backend != "uni" or parallel.world_size != 1:
             raise RuntimeError(
@@ -199,6 +201,8 @@ class VllmEngine:
         return cls(
             llm,
             Path(path),
+            shapes,
+            tied=tied,
             capacity=capacity,
             max_seq_len=max_seq_len,
             recompute_kv_on_update=recompute_kv_on_update,
@@ -368,12 +372,12 @@ def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def _kv_cache_bytes(config: VllmConfig, num_tokens: int) -> int:
     model, parallel = config.model_config, config.parallel_config
-    elem = torch.empty((), dtype=kv_cache_dtype_str_to_dtype(config.cache_config.cache_dtype, model))
+    dtype = kv_cache_dtype_str_to_dtype(config.cache_config.cache_dtype, model)
     per_token = (
         2  # K and V
         * model.get_num_layers(parallel)
         * model.get_num_kv_heads(parallel)
         * model.get_head_size()
-        * elem.element_size()
+        * torch.empty((), dtype=dtype).element_size()
     )
     return num_tokens * per_token

@@ -1,10 +1,13 @@
-"""One optimizer step of the RL algorithm over a batch of groups."""
+"""One optimizer step of the RL algorithm over a batch of groups (on one rank or several)."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipelinerl.config import Config
 from pipelinerl.rl.advantages import groups_advantages
@@ -19,14 +22,19 @@ def rl_step(
     groups: list[Group],
     cfg: Config,
     trainer_version: int,
+    num_sequences: int | None = None,
 ) -> dict[str, Any]:
     """Advantages, micro-batched loss and backward, gradient clipping, optimizer step.
 
-    Returns the step's metrics: loss, grad norm, and the off-policy health numbers of
-    `LossStats` (ESS, lag, engine-vs-trainer mismatch) over every trained token.
+    `groups` is this rank's shard; `num_sequences` the number of sequences in the whole step
+    across ranks (B in the loss). `model` may be wrapped in DistributedDataParallel: its
+    gradients are then all-reduced once, on the last micro-batch. Returns the step's metrics:
+    loss, grad norm, and `LossStats` (ESS, lag, mismatch) over every trained token of every rank.
     """
     tc = cfg.trainer
     samples = [s for g in groups for s in g.samples]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    num_sequences = num_sequences or len(samples)
     advantages = groups_advantages(groups, tc.advantage.baseline, tc.advantage.std_normalize)
     if tc.packing:
         batches = pack(samples, advantages, tc.max_tokens_per_row)
@@ -42,25 +50,50 @@ def rl_step(
     input_tokens = 0
     device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)
-    for batch in batches:
+    for i, batch in enumerate(batches):
         batch = batch.to(device)
-        new_lp = token_logprobs(model, batch, temperature=temperature)
-        if loss_cfg.kind == "reinforce":
-            loss = reinforce_tis_loss(new_lp, batch.old_logprobs, batch.advantages,
-                                      num_sequences=len(samples), clip_c=loss_cfg.is_clip)
-        else:
-            loss = ppo_clip_loss(new_lp, batch.old_logprobs, batch.advantages,
-                                 num_sequences=len(samples), eps=loss_cfg.ppo_eps)
-        loss.backward()
+        # DDP averages gradients over ranks; the loss is a sum over the whole step, so each
+        # rank's part is scaled back up by the world size.
+        is_last = i == len(batches) - 1
+        sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            new_lp = token_logprobs(model, batch, temperature=temperature)
+            if loss_cfg.kind == "reinforce":
+                loss = reinforce_tis_loss(new_lp, batch.old_logprobs, batch.advantages,
+                                          num_sequences=num_sequences, clip_c=loss_cfg.is_clip)
+            else:
+                loss = ppo_clip_loss(new_lp, batch.old_logprobs, batch.advantages,
+                                     num_sequences=num_sequences, eps=loss_cfg.ppo_eps)
+            (loss * world).backward()
         total_loss += loss.item()
         input_tokens += batch.num_input_tokens
         stats.add(new_lp, batch.old_logprobs, batch.versions, trainer_version, clip_range)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     optimizer.step()
+    totals = {"loss": total_loss, "input_tokens": float(input_tokens)}
+    if world > 1:
+        stats, totals = _reduce(stats, totals, device)
     return {
-        "loss": total_loss,
+        "loss": totals["loss"],
         "grad_norm": grad_norm.item(),
-        "input_tokens": input_tokens,
+        "input_tokens": int(totals["input_tokens"]),
         "lr": optimizer.param_groups[0]["lr"],
         **stats.finalize(),
     }
+
+
+def _reduce(stats: LossStats, totals: dict[str, float], device: torch.device
+            ) -> tuple[LossStats, dict[str, float]]:
+    """Sum the step's statistics over ranks (max for the lag)."""
+    names = [f.name for f in fields(LossStats) if f.name != "max_lag"]
+    keys = list(totals)
+    summed = torch.tensor([float(getattr(stats, n)) for n in names] + [totals[k] for k in keys],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    # Ranks with no token report -inf so they do not pull the maximum.
+    lag = torch.tensor([float(stats.max_lag) if stats.tokens else float("-inf")],
+                       dtype=torch.float64, device=device)
+    dist.all_reduce(lag, op=dist.ReduceOp.MAX)
+    out = LossStats(**{n: type(getattr(stats, n))(v) for n, v in zip(names, summed.tolist())})
+    out.max_lag = int(lag.item()) if out.tokens else 0
+    return out, dict(zip(keys, summed[len(names):].tolist()))

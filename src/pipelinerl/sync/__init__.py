@@ -7,9 +7,10 @@ are passed through to the backend's class, so a wrong option fails with a TypeEr
     shm:       ShmWeightSender(run_id, shm_dir="/dev/shm")
                ShmWeightReceiver(run_id, shm_dir="/dev/shm", timeout_s=60.0)
     broadcast: BroadcastWeightSender(init_method, n_actors, device="cpu", bucket_mb=64.0,
-                                     per_parameter=False, timeout_s=120.0)
+                                     per_parameter=False, timeout_s=120.0,
+                                     rendezvous_timeout_s=None)
                BroadcastWeightReceiver(init_method, actor_id, n_actors, device="cpu",
-                                       timeout_s=120.0)
+                                       timeout_s=120.0, rendezvous_timeout_s=None)
 """
 
 from __future__ import annotations

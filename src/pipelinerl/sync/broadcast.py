@@ -14,9 +14,10 @@ Store keys (all small strings):
     go/<v>      the sender's verdict for version v: "ok" (broadcast follows) or "abort: <why>"
 
 Rendezvous: every rank sets `peer/<r>` and waits (up to `rendezvous_timeout_s`, by default
-`timeout_s`; actors loading a large model may need longer) for all the others',
-naming the ranks still missing if they do not come; only then is the process group built, so
-its own rendezvous cannot hang. A duplicate actor id is refused.
+`timeout_s`; actors loading a large model may need longer) for all the others', naming the
+ranks still missing if they do not come; only then is the process group built, so its own
+rendezvous cannot hang. An actor whose device needs another backend than the trainer's joins
+with an error state, which fails every rank at once; a duplicate actor id is refused.
 
 One update (sender `publish(weights, v)`):
   1. the sender sets `version = v` and polls the `peer/*` keys until every actor reads "v";
@@ -34,17 +35,26 @@ until it times out. No collective starts before every member is known to be at i
 collective still carries `timeout_s` for a peer dying mid-transfer. After a failure the
 channel is broken: rebuilding the group means restarting its processes.
 
+Shutdown: the sender's `close()` sets `version = closed` and keeps the store (which lives in
+the trainer's process) up until every live actor has seen it (its `poll()` then answers None
+and sets `closed`) or closed its receiver, so actors stopping at the end of a run never mistake
+it for a crashed trainer. An unreachable store otherwise makes `poll()` raise.
+
 Buckets: the distinct tensors (tied names are sent once) are laid end to end as bytes, each at
 a 16-byte aligned offset, and the stream is cut into `bucket_mb` pieces; a large tensor spans
-several buckets, so memory stays bounded by one bucket on each side.
+several buckets, so memory stays bounded by two buckets on each side: one is packed (or
+unpacked) while the other is on the wire.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import TypeAlias
 from urllib.parse import urlsplit
 
 import torch
@@ -52,8 +62,13 @@ import torch.distributed as dist
 
 from pipelinerl.sync.shm import WeightLayout
 
+logger = logging.getLogger(__name__)
+
 _ALIGN = 16  # every dtype's item size divides it, so bucket slices can be viewed as any dtype
-_POLL_S = 0.001
+_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002  # the sender's wait for actors to get ready
+_CLOSE_WAIT_S = 10.0  # at most this long for actors to see the sender's close
+# A string: NCCL's class exists in CUDA builds of torch only.
+_Group: TypeAlias = "dist.ProcessGroupGloo | dist.ProcessGroupNCCL"
 
 
 def _parse_init_method(init_method: str) -> tuple[str, int]:
@@ -71,25 +86,33 @@ def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _await_peers(store: dist.Store, world: int, me: int, timeout_s: float) -> None:
-    keys = [f"peer/{r}" for r in range(world) if r != me]
+def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float) -> None:
+    """Wait until every rank in `ranks` has joined; raise naming the missing or failed ones."""
+    keys = [f"peer/{r}" for r in ranks]
     deadline = time.monotonic() + timeout_s
     try:
         while not store.check(keys):
             if time.monotonic() > deadline:
-                missing = [_describe(int(k.split("/")[1])) for k in keys if not store.check([k])]
+                missing = [_describe(r) for r, k in zip(ranks, keys, strict=True)
+                           if not store.check([k])]
                 raise TimeoutError(
                     f"{_describe(me)}: weight-sync group incomplete after {timeout_s} s; "
                     f"missing: {', '.join(missing)}"
                 )
             time.sleep(0.01)
+        states = [b.decode() for b in store.multi_get(keys)]
     except dist.DistError as e:
         raise RuntimeError(f"{_describe(me)}: weight store lost while forming the group "
                            f"(trainer gone?): {e}") from e
+    failed = [f"{_describe(r)}: {s}" for r, s in zip(ranks, states, strict=True)
+              if s.startswith("error")]
+    if failed:
+        raise RuntimeError(f"{_describe(me)}: cannot form the weight-sync group; "
+                           + "; ".join(failed))
 
 
 def _make_group(store: dist.Store, rank: int, world: int, backend: str,
-                timeout_s: float) -> dist.ProcessGroup:
+                timeout_s: float) -> _Group:
     # Built directly rather than through init_process_group so that the trainer's own default
     # group (DDP/FSDP over trainer ranks) is left alone.
     prefix = dist.PrefixStore("pg", store)
@@ -108,9 +131,11 @@ class _Piece:
     offset: int  # byte offset within the bucket
 
 
-def _plan_buckets(layout: WeightLayout, bucket_bytes: int) -> list[tuple[int, list[_Piece]]]:
-    """(size in bytes, pieces) of each bucket."""
-    buckets: list[tuple[int, list[_Piece]]] = []
+_Plan = list[tuple[int, list[_Piece]]]  # (size in bytes, pieces) of each bucket
+
+
+def _plan_buckets(layout: WeightLayout, bucket_bytes: int) -> _Plan:
+    buckets: _Plan = []
     pos = 0  # byte position in the stream of all tensors
     for i, s in enumerate(layout.slots):
         pos = -(-pos // _ALIGN) * _ALIGN
@@ -141,19 +166,49 @@ class _Channel:
         self.timeout = timedelta(seconds=timeout_s)
         self.rendezvous_timeout_s = (
             timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
-        self.last_transfer_s = 0.0
+        self.last_wait_s = 0.0  # last update: time spent waiting for the other members
+        self.last_transfer_s = 0.0  # last update: time spent moving the weights
         self.store: dist.TCPStore | None = None
-        self.group: dist.ProcessGroup | None = None
+        self.group: _Group | None = None
+        self._layout: WeightLayout | None = None
+        self._buckets: tuple[int, _Plan] = (0, [])  # (the bucket size it was planned for, plan)
+        self._buffers: list[torch.Tensor] = []
 
-    def _broadcast(self, t: torch.Tensor, what: str) -> None:
-        assert self.group is not None
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
         try:
-            self.group.broadcast(t, 0, self.timeout).wait(self.timeout)
+            yield
         except dist.DistError as e:
             raise RuntimeError(
                 f"{_describe(self.rank)}: weight broadcast failed at {what} (a member of the "
                 f"group died or stalled; timeout {self.timeout_s} s): {e}"
             ) from e
+
+    def _start(self, t: torch.Tensor, what: str) -> tuple[dist.Work, str]:
+        assert self.group is not None
+        with self._collective(what):
+            return self.group.broadcast(t, 0, self.timeout), what
+
+    def _wait(self, pending: tuple[dist.Work, str]) -> None:
+        with self._collective(pending[1]):
+            pending[0].wait(self.timeout)
+
+    def _broadcast(self, t: torch.Tensor, what: str) -> None:
+        self._wait(self._start(t, what))
+
+    def _plan(self, bucket_bytes: int) -> _Plan:
+        assert self._layout is not None
+        if self._buckets[0] != bucket_bytes:
+            self._buckets = (bucket_bytes, _plan_buckets(self._layout, bucket_bytes))
+        return self._buckets[1]
+
+    def _bucket_buffers(self, buckets: _Plan) -> list[torch.Tensor]:
+        # Two buffers: one is packed or unpacked while the other is on the wire.
+        size = max((nbytes for nbytes, _ in buckets), default=0)
+        if not self._buffers or self._buffers[0].numel() != size:
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                             for _ in range(2)]
+        return self._buffers
 
     def _finish_timing(self, t0: float) -> None:
         if self.device.type == "cuda":
@@ -164,7 +219,8 @@ class _Channel:
 class BroadcastWeightSender(_Channel):
     """Trainer rank 0: hosts the store, waits for `n_actors` receivers, broadcasts weights.
 
-    `last_wait_s` is how long the last publish waited for actors to get ready;
+    `bucket_bytes` and `per_parameter` may be changed between publishes (receivers follow the
+    header). `last_wait_s` is how long the last publish waited for actors to get ready,
     `last_transfer_s` how long the broadcast itself took.
     """
 
@@ -177,22 +233,23 @@ class BroadcastWeightSender(_Channel):
         wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.bucket_bytes = max(_ALIGN, int(bucket_mb * 2**20) // _ALIGN * _ALIGN)
         self.per_parameter = per_parameter
-        self.last_wait_s = 0.0
-        self._layout: WeightLayout | None = None
-        self._buckets: list[tuple[int, list[_Piece]]] = []
-        self._buffer: torch.Tensor | None = None
         self._version: int | None = None
         self._broken: str | None = None
         try:
             self.store = dist.TCPStore(self.host, self.port, None, True, wait,
                                        wait_for_workers=False)
         except dist.DistError as e:
-            raise RuntimeError(f"trainer: cannot host the weight store on port {self.port}: {e}") from e
-        self.store.set("backend", self.backend)
-        self.store.set("version", "-1")
-        self.store.set("peer/0", "-1")  # last: receivers that see it also see the keys above
-        _await_peers(self.store, self.world, 0, self.rendezvous_timeout_s)
-        self.group = _make_group(self.store, 0, self.world, self.backend, timeout_s)
+            raise RuntimeError(
+                f"trainer: cannot host the weight store on port {self.port}: {e}") from e
+        try:
+            self.store.set("backend", self.backend)
+            self.store.set("version", "-1")
+            self.store.set("peer/0", "-1")  # last: receivers that see it also see the keys above
+            _await_peers(self.store, list(range(1, self.world)), 0, self.rendezvous_timeout_s)
+            self.group = _make_group(self.store, 0, self.world, self.backend, timeout_s)
+        except BaseException:
+            self.store = None  # free the port now, not when the traceback is collected
+            raise
 
     def _abort(self, version: int, reason: str) -> None:
         assert self.store is not None
@@ -204,6 +261,7 @@ class BroadcastWeightSender(_Channel):
         assert self.store is not None
         keys = [f"peer/{r}" for r in range(1, self.world)]
         deadline = time.monotonic() + self.timeout_s
+        pause = _POLL_MIN_S
         while True:
             states = [b.decode() for b in self.store.multi_get(keys)]
             for r, s in enumerate(states, start=1):
@@ -216,7 +274,8 @@ class BroadcastWeightSender(_Channel):
                 who = ", ".join(f"{_describe(r)} (last ready for version {s})" for r, s in late)
                 self._abort(version, f"trainer: no answer within {self.timeout_s} s for "
                                      f"version {version} from {who}: dead, stuck, or not polling")
-            time.sleep(_POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)  # quick when actors are quick, light when busy
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         if self._broken is not None:
@@ -226,7 +285,6 @@ class BroadcastWeightSender(_Channel):
         assert self.store is not None
         if self._layout is None:
             self._layout = WeightLayout.from_weights(weights)
-            self._buckets = _plan_buckets(self._layout, self.bucket_bytes)
             self.store.set("manifest", self._layout.to_json())
         sources = self._layout.sources(weights)
         t0 = time.perf_counter()
@@ -241,6 +299,8 @@ class BroadcastWeightSender(_Channel):
             self._broken = str(e)
             raise
         self._finish_timing(t1)
+        logger.info("broadcast weights version %d: waited %.1f ms for actors, sent in %.1f ms",
+                    version, 1e3 * self.last_wait_s, 1e3 * self.last_transfer_s)
         if self._version is not None:
             self.store.delete_key(f"go/{self._version}")
         self._version = version
@@ -255,22 +315,36 @@ class BroadcastWeightSender(_Channel):
                     self._broadcast(src.to(self.device).contiguous(),
                                     f"tensor {i + 1}/{len(sources)}")
                 return
-            if self._buffer is None:
-                size = max(nbytes for nbytes, _ in self._buckets)
-                self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buckets = self._plan(bucket_bytes)
+            buffers = self._bucket_buffers(buckets)
             flat = [src.reshape(-1) for src in sources]
-            for b, (nbytes, pieces) in enumerate(self._buckets):
-                buf = self._buffer[:nbytes]
+            in_flight: list[tuple[dist.Work, str] | None] = [None, None]
+            for b, (nbytes, pieces) in enumerate(buckets):
+                if (pending := in_flight[b % 2]) is not None:
+                    self._wait(pending)  # this buffer's previous bucket has been sent
+                buf = buffers[b % 2][:nbytes]
                 for p in pieces:
                     dtype = sources[p.slot].dtype
                     dst = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
                     dst.copy_(flat[p.slot][p.start:p.start + p.numel])
-                self._broadcast(buf, f"bucket {b + 1}/{len(self._buckets)}")
+                in_flight[b % 2] = self._start(buf, f"bucket {b + 1}/{len(buckets)}")
+            for pending in in_flight:
+                if pending is not None:
+                    self._wait(pending)
 
     def close(self) -> None:
         if self.store is None:
             return
         self.store.set("version", "closed")
+        if self._broken is None:
+            keys = [f"peer/{r}" for r in range(1, self.world)]
+            deadline = time.monotonic() + min(self.timeout_s, _CLOSE_WAIT_S)
+            while time.monotonic() < deadline:
+                # Actors that failed or are gone will not answer; only live ones are waited for.
+                states = [b.decode() for b in self.store.multi_get(keys)]
+                if all(st == "closed" or st.startswith("error") for st in states):
+                    break
+                time.sleep(0.01)
         self.group = None
         self.store = None
 
@@ -280,7 +354,7 @@ class BroadcastWeightReceiver(_Channel):
 
     Targets must be contiguous (buckets are unpacked into flat views of them). The sender's
     `bucket_mb` / `per_parameter` choice reaches receivers through the header, so receivers
-    need no matching setting.
+    need no matching setting. `closed` turns True once the trainer has closed the channel.
     """
 
     def __init__(self, init_method: str, actor_id: int, n_actors: int,
@@ -292,10 +366,7 @@ class BroadcastWeightReceiver(_Channel):
                          rendezvous_timeout_s)
         wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.last_version: int | None = None
-        self._layout: WeightLayout | None = None
-        self._bucket_bytes = 0  # the plan below is for this bucket size
-        self._buckets: list[tuple[int, list[_Piece]]] = []
-        self._buffer: torch.Tensor | None = None
+        self.closed = False
         me = _describe(self.rank)
         try:
             self.store = dist.TCPStore(self.host, self.port, None, False, wait)
@@ -307,14 +378,16 @@ class BroadcastWeightReceiver(_Channel):
             ) from e
         if self.store.add(f"join/{self.rank}", 1) > 1:
             raise RuntimeError(f"{me}: another process already joined with this actor id")
-        self.store.set(f"peer/{self.rank}", "-1")
-        _await_peers(self.store, self.world, self.rank, self.rendezvous_timeout_s)
+        _await_peers(self.store, [0], self.rank, self.rendezvous_timeout_s)
         sender_backend = self.store.get("backend").decode()
         if sender_backend != self.backend:
-            self._report(f"error: backend {self.backend} (device {self.device}) but the trainer "
-                         f"uses {sender_backend}")
-            raise ValueError(f"{me}: device {self.device} needs {self.backend} but the trainer "
-                             f"broadcasts with {sender_backend}")
+            reason = (f"device {self.device} needs {self.backend} but the trainer broadcasts "
+                      f"with {sender_backend}")
+            self._report(f"error: {reason}")
+            raise ValueError(f"{me}: {reason}")
+        self._report("-1")
+        others = [r for r in range(1, self.world) if r != self.rank]
+        _await_peers(self.store, others, self.rank, self.rendezvous_timeout_s)
         self.group = _make_group(self.store, self.rank, self.world, self.backend, timeout_s)
 
     def _report(self, state: str) -> None:
@@ -322,14 +395,18 @@ class BroadcastWeightReceiver(_Channel):
         self.store.set(f"peer/{self.rank}", state)
 
     def _announced(self) -> int | None:
+        if self.closed:
+            return None  # the store may be gone by now: do not ask it
         assert self.store is not None
         try:
             value = self.store.get("version").decode()
+            if value == "closed":
+                self.closed = True
+                self._report("closed")  # lets the trainer's close() return
+                return None
         except dist.DistError as e:
             raise RuntimeError(f"{_describe(self.rank)}: weight store unreachable "
                                f"(trainer gone?): {e}") from e
-        if value == "closed":
-            raise RuntimeError(f"{_describe(self.rank)}: the trainer closed the weight channel")
         version = int(value)
         return version if version >= 0 else None
 
@@ -349,7 +426,7 @@ class BroadcastWeightReceiver(_Channel):
             if self._layout is None:
                 self._layout = WeightLayout.from_json(self.store.get("manifest").decode())
             dests = self._layout.bind(targets)
-            for ts, s in zip(dests, self._layout.slots):
+            for ts, s in zip(dests, self._layout.slots, strict=True):
                 for t in ts:
                     if not t.is_contiguous():
                         raise ValueError(f"target parameter {s.names[0]!r} is not contiguous")
@@ -383,7 +460,7 @@ class BroadcastWeightReceiver(_Channel):
     def _receive_per_parameter(self, dests: list[list[torch.Tensor]]) -> None:
         assert self._layout is not None
         n = len(self._layout.slots)
-        for i, (s, ts) in enumerate(zip(self._layout.slots, dests)):
+        for i, (s, ts) in enumerate(zip(self._layout.slots, dests, strict=True)):
             # Receive straight into the engine's tensor when no cast or move is needed.
             direct = len(ts) == 1 and ts[0].dtype == s.dtype and ts[0].device == self.device
             buf = ts[0] if direct else torch.empty(s.shape, dtype=s.dtype, device=self.device)
@@ -394,16 +471,20 @@ class BroadcastWeightReceiver(_Channel):
 
     def _receive_buckets(self, dests: list[list[torch.Tensor]], bucket_bytes: int) -> None:
         assert self._layout is not None
-        if self._bucket_bytes != bucket_bytes:
-            self._buckets = _plan_buckets(self._layout, bucket_bytes)
-            size = max(nbytes for nbytes, _ in self._buckets)
-            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._bucket_bytes = bucket_bytes
-        assert self._buffer is not None
+        buckets = self._plan(bucket_bytes)
+        buffers = self._bucket_buffers(buckets)
         flat = [[t.view(-1) for t in ts] for ts in dests]
-        for b, (nbytes, pieces) in enumerate(self._buckets):
-            buf = self._buffer[:nbytes]
-            self._broadcast(buf, f"bucket {b + 1}/{len(self._buckets)}")
+
+        def post(b: int) -> tuple[dist.Work, str]:
+            return self._start(buffers[b % 2][:buckets[b][0]], f"bucket {b + 1}/{len(buckets)}")
+
+        pending = post(0) if buckets else None
+        for b, (nbytes, pieces) in enumerate(buckets):
+            assert pending is not None
+            self._wait(pending)
+            if b + 1 < len(buckets):
+                pending = post(b + 1)  # lands in the other buffer while this one is unpacked
+            buf = buffers[b % 2][:nbytes]
             for p in pieces:
                 dtype = self._layout.slots[p.slot].dtype
                 src = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
@@ -413,9 +494,10 @@ class BroadcastWeightReceiver(_Channel):
     def close(self) -> None:
         if self.store is None:
             return
-        try:
-            self._report("closed")
-        except dist.DistError:
-            pass  # the trainer, which hosts the store, is already gone: nobody to tell
+        if not self.closed:
+            try:
+                self._report("closed")
+            except dist.DistError:
+                pass  # the trainer, which hosts the store, is already gone: nobody to tell
         self.group = None
         self.store = None

@@ -17,24 +17,28 @@ guarantees; weakly ordered CPUs (aarch64) give no such guarantee from Python.
 
 The sender builds the file under a temporary name and renames it into place, so a reader sees
 either no file or a complete one; a crashed run leaves its file behind and the next sender with
-the same run id replaces it (readers notice the new inode and remap). The file is never
-truncated while mapped, so readers cannot fault on it.
+the same run id replaces it (readers notice the new inode, remap, and follow the new trainer's
+versions even if they are not newer: it may have resumed from an older checkpoint). The file is
+never truncated while mapped, so readers cannot fault on it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import re
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 _MAGIC = 0x504C524C_57543031  # "PLRLWT01": format version 1
 _HEADER_BYTES = 64
@@ -161,12 +165,13 @@ class WeightLayout:
         """The target tensors to fill from each slot; raises naming any mismatched parameter.
 
         Every target name must be published; every slot must reach at least one target (a
-        tied pair may be exposed under either name or both).
+        tied pair may be exposed under either name or both, as one tensor or two).
         """
         unknown = sorted(targets.keys() - self._by_name.keys())
         if unknown:
             raise ValueError(f"target parameter(s) not in the published weights: {unknown}")
         dests: list[list[torch.Tensor]] = [[] for _ in self.slots]
+        seen: dict[tuple, str] = {}  # target tensor -> first name it was given under
         for name, t in targets.items():
             p = self._by_name[name]
             if tuple(t.shape) != p.shape:
@@ -174,8 +179,15 @@ class WeightLayout:
                     f"parameter {name!r}: published shape {p.shape}, target shape "
                     f"{tuple(t.shape)}"
                 )
-            dests[p.slot].append(t)
-        missing = [s.names[0] for s, d in zip(self.slots, dests) if not d]
+            first = seen.setdefault(_storage_key(t), name)
+            if first == name:
+                dests[p.slot].append(t)
+            elif self._by_name[first].slot != p.slot:
+                raise ValueError(
+                    f"target parameters {first!r} and {name!r} are one tensor, but the "
+                    "published weights hold them apart"
+                )
+        missing = [s.names[0] for s, d in zip(self.slots, dests, strict=True) if not d]
         if missing:
             raise ValueError(f"published parameter(s) missing from the targets: {missing}")
         return dests
@@ -208,6 +220,7 @@ class ShmWeightSender:
         self._header: np.ndarray | None = None
         self._views: list[torch.Tensor] = []
         self._inode: tuple[int, int] | None = None
+        self._version: int | None = None
         self.last_transfer_s = 0.0
         # A crash between creating and renaming leaves a temporary file: reclaim those.
         for stale in self.path.parent.glob(f"{self.path.name}.tmp-*"):
@@ -242,13 +255,15 @@ class ShmWeightSender:
         data = torch.frombuffer(mm, dtype=torch.uint8, count=size - data_off, offset=data_off)
         self._views = [
             data[off:off + s.nbytes].view(s.dtype).view(s.shape)
-            for s, off in zip(layout.slots, offsets)
+            for s, off in zip(layout.slots, offsets, strict=True)
         ]
         os.replace(tmp, self.path)
         self._mm, self._header, self._layout = mm, header, layout
         self._inode = (st.st_dev, st.st_ino)
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        if self._version is not None and version <= self._version:
+            raise ValueError(f"version {version} is not newer than {self._version}")
         t0 = time.perf_counter()
         if self._layout is None:
             self._create(WeightLayout.from_weights(weights))
@@ -259,10 +274,13 @@ class ShmWeightSender:
         header[_SEQ_I] = seq + 1  # odd: readers retry until the write is done
         header[_VERSION_I] = version
         with torch.no_grad():
-            for view, src in zip(self._views, sources):
+            for view, src in zip(self._views, sources, strict=True):
                 view.copy_(src)
         header[_SEQ_I] = seq + 2
+        self._version = version
         self.last_transfer_s = time.perf_counter() - t0
+        logger.info("published weights version %d to %s in %.1f ms", version, self.path,
+                    1e3 * self.last_transfer_s)
 
     def close(self) -> None:
         if self._mm is None:
@@ -282,7 +300,8 @@ class ShmWeightReceiver:
     """Loads weights from the run's shared-memory file into an engine's tensors in place.
 
     `timeout_s` bounds how long `receive_into` waits for a consistent copy (a writer that
-    crashed mid-publish leaves the seqlock odd forever).
+    crashed mid-publish leaves the seqlock odd forever); after that TimeoutError the targets
+    may hold a mix of versions, so it is fatal to the engine.
     """
 
     def __init__(self, run_id: str, shm_dir: str | Path = "/dev/shm", timeout_s: float = 60.0):
@@ -311,6 +330,10 @@ class ShmWeightReceiver:
             return self._mm is not None  # sender gone: the last mapping still holds its weights
         if (st.st_dev, st.st_ino) == self._inode:
             return True
+        if self._inode is not None:
+            # A restarted trainer (maybe resumed from an older checkpoint) owns the new file:
+            # follow whatever it publishes, even a version not newer than the last one loaded.
+            self.last_version = None
         self._unmap()
         try:
             fd = os.open(self.path, os.O_RDONLY)
@@ -335,7 +358,7 @@ class ShmWeightReceiver:
             data = torch.frombuffer(mm, dtype=torch.uint8, count=max(data_len, 1), offset=data_off)
         self._views = [
             data[off:off + s.nbytes].view(s.dtype).view(s.shape)
-            for s, off in zip(layout.slots, offsets)
+            for s, off in zip(layout.slots, offsets, strict=True)
         ]
         self._mm, self._header, self._layout = mm, header, layout
         self._inode = (st.st_dev, st.st_ino)
@@ -368,7 +391,7 @@ class ShmWeightReceiver:
                     raise RuntimeError(f"no weights published yet at {self.path}")
                 if seq % 2 == 0:
                     version = int(header[_VERSION_I])
-                    for view, ts in zip(self._views, dests):
+                    for view, ts in zip(self._views, dests, strict=True):
                         for t in ts:
                             t.copy_(view)
                     if int(header[_SEQ_I]) == seq:

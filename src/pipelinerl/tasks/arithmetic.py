@@ -2,11 +2,13 @@
 
 Prompt ``12+7-5+3=``; worked completion ``12+7=19,19-5=14,14+3=17;A=17`` (the engine's stop
 token follows). The first term is in [0, max_value], the others in [1, max_operand] with signs
-chosen so that every running total stays in [0, max_value]. Numbers are zero-padded to the
-width of max_value (``08+7=15,15-9=06;A=06``): every step then has the same shape, each digit
-depends on digits at fixed offsets, and the previous step's operand, which the next step's
-operand follows in the prompt, sits at a fixed distance. That is what lets a ~1M-parameter
-char-level model learn the format and most of the arithmetic in a few minutes on a CPU. The
+chosen so that every running total stays in [0, max_value]. Two choices make it learnable by
+a ~1M-parameter char-level model in a few minutes on a CPU:
+- numbers are zero-padded to the width of max_value (``08+7=15,15-9=06;A=06``), so every step
+  has the same shape and each result digit depends on digits at fixed offsets;
+- the operands of one problem are distinct, so the next term is found by content: it follows,
+  in the prompt, the previous step's operand (which sits at a fixed offset back).
+Finding the next term is still the hardest part: long chains are what RL has left to fix. The
 number of terms is drawn from a skewed distribution, so completion lengths run from ~12 to
 ~64 characters with a thin tail: the length spread that makes pipelined generation pay off.
 """
@@ -54,6 +56,11 @@ class ChainArithmeticTask:
             raise ValueError(f"max_terms must be >= min_terms ({min_terms}), got {max_terms}")
         if max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+        if max_terms - 1 > max_operand:
+            raise ValueError(
+                f"max_terms - 1 ({max_terms - 1}) must be <= max_operand ({max_operand}): "
+                "the operands of one problem are distinct"
+            )
         if max_value < 2 * max_operand:
             # Below this some running total could neither add nor subtract the next operand.
             raise ValueError(
@@ -101,8 +108,7 @@ class ChainArithmeticTask:
         n_terms = rng.choices(counts, weights=self.term_weights)[0]
         total = rng.randint(0, self.max_value)
         prompt = self._num(total)
-        for _ in range(n_terms - 1):
-            op = rng.randint(1, self.max_operand)
+        for op in rng.sample(range(1, self.max_operand + 1), n_terms - 1):
             signs = [s for s, v in (("+", total + op), ("-", total - op)) if 0 <= v <= self.max_value]
             sign = rng.choice(signs)
             total = total + op if sign == "+" else total - op

