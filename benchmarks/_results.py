@@ -12,6 +12,7 @@ import platform
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,17 @@ def write_section(name: str, markdown: str, path: Path = RESULTS) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+class Timer:
+    """Wall and CPU time since creation. CPU time (this process, one thread) is what the work
+    cost; wall time adds the waits for a core when other jobs load the machine."""
+
+    def __init__(self) -> None:
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    def elapsed(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall0, time.process_time() - self.cpu0
 
 
 def cpu_model() -> str:

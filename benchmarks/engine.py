@@ -84,27 +84,27 @@ def requests(wl: Workload) -> list[Any]:
 
 @dataclass
 class Run:
-    seconds: float
     outputs: list[Any]
+    seconds: tuple[float, float] = (0.0, 0.0)  # wall, CPU
     decode_steps: int = 0  # torch engine only (its stats)
-    full_seconds: float = 0.0  # torch engine: time until the queue ran dry (every slot busy)
-    full_tokens: int = 0  # tokens generated in that time
+    full_seconds: tuple[float, float] = (0.0, 0.0)  # torch engine: until the queue ran dry
+    full_tokens: int = 0  # tokens generated in that time (every slot busy)
 
 
 def run_engine(engine: Any, wl: Workload) -> Run:
     """Generate the whole workload; for the torch engine also note when the queue ran dry."""
     stats = getattr(engine, "stats", None)
     steps0, tokens0 = (stats.decode_steps, stats.generated_tokens) if stats else (0, 0)
-    t0 = time.perf_counter()
+    timer = _results.Timer()
     for r in requests(wl):
         engine.add_request(r)
-    run = Run(0.0, [])
+    run = Run([])
     while engine.num_active():
         run.outputs += engine.step()
-        if stats and not run.full_seconds and engine.num_active() == engine.num_running():
-            run.full_seconds = time.perf_counter() - t0
+        if stats and not run.full_tokens and engine.num_active() == engine.num_running():
+            run.full_seconds = timer.elapsed()
             run.full_tokens = stats.generated_tokens - tokens0
-    run.seconds = time.perf_counter() - t0
+    run.seconds = timer.elapsed()
     if stats:
         run.decode_steps = stats.decode_steps - steps0
     if sum(len(o.token_ids) for o in run.outputs) != wl.useful_tokens:
@@ -113,11 +113,12 @@ def run_engine(engine: Any, wl: Workload) -> Run:
 
 
 @torch.no_grad()
-def run_hf_generate(model: Any, wl: Workload, batch: int, pad_id: int) -> float:
-    """Seconds for HF `generate` over static batches; each runs to its longest request."""
+def run_hf_generate(model: Any, wl: Workload, batch: int, pad_id: int) -> tuple[float, float]:
+    """(wall, CPU) seconds for HF `generate` over static batches; each runs to its longest
+    request."""
     from transformers import GenerationConfig
 
-    t0 = time.perf_counter()
+    timer = _results.Timer()
     for lo in range(0, len(wl.prompts), batch):
         prompts, max_new = wl.prompts[lo:lo + batch], wl.max_new[lo:lo + batch]
         width = max(map(len, prompts))
@@ -132,7 +133,7 @@ def run_hf_generate(model: Any, wl: Workload, batch: int, pad_id: int) -> float:
         )
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         assert out.shape[1] == width + max(max_new)
-    return time.perf_counter() - t0
+    return timer.elapsed()
 
 
 @torch.no_grad()
@@ -223,9 +224,9 @@ def vllm_only(spec_path: str) -> None:
         )
         build_s = time.perf_counter() - t0
         run_engine(engine, Workload(wl.prompts[: spec["capacity"]], wl.max_new[: spec["capacity"]]))  # warm-up
-        rates = [wl.useful_tokens / run_engine(engine, wl).seconds for _ in range(spec["reps"])]
+        runs = [run_engine(engine, wl).seconds for _ in range(spec["reps"])]
         engine.close()
-        result[name] = {"tokens_per_s": rates, "build_s": build_s}
+        result[name] = {"seconds": runs, "build_s": build_s}
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 
@@ -278,12 +279,14 @@ def bench_preset(preset: str, tokenizer: Any, wl: Workload, capacity: int, reps:
     pause = update_pause(engine, model, wl, pause_reps, shm_dir)
     profiles = (profile_top(lambda: run_engine(engine, wl), 6),
                 profile_top(lambda: run_hf_generate(model, wl, capacity, pad), 6)) if profile else None
+    med = statistics.median
     result = {
         "params": sum(p.numel() for p in model.parameters()),
-        "engine_s": statistics.median(r.seconds for r in runs),
-        "hf_s": statistics.median(hf_s),
-        "ratio": statistics.median(h / r.seconds for r, h in zip(runs, hf_s)),
-        "full_rate": statistics.median(r.full_tokens / r.full_seconds for r in runs),
+        # per clock (0 wall, 1 CPU): median seconds and median per-run ratio HF / engine
+        "engine_s": [med(r.seconds[c] for r in runs) for c in (0, 1)],
+        "hf_s": [med(h[c] for h in hf_s) for c in (0, 1)],
+        "ratio": [med(h[c] / r.seconds[c] for r, h in zip(runs, hf_s)) for c in (0, 1)],
+        "full_rate": med(r.full_tokens / r.full_seconds[0] for r in runs),
         "decode_steps": runs[-1].decode_steps,
         "gap": gap,
         "pause": pause,
@@ -312,7 +315,7 @@ def main() -> None:
     if args.quick:
         presets, n_prompts, capacity, reps, pause_reps = ["tiny"], 32, 16, 1, 3
     else:
-        presets, n_prompts, capacity, reps, pause_reps = ["tiny", "small"], 256, 64, 3, 15
+        presets, n_prompts, capacity, reps, pause_reps = ["tiny", "small"], 256, 64, 3, 25
     use_vllm = VLLM_PYTHON.exists() and not (args.quick or args.no_vllm)
 
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp_name:
@@ -344,20 +347,21 @@ def render(load: tuple[float, float, float], wl: Workload, capacity: int, reps: 
     hf_work = sum(max(b) * len(b) for b in batches)
     n = wl.useful_tokens
     head = ["model", "params", "torch engine tok/s", "HF generate tok/s", "engine / HF (target >= 3x)",
-            "engine while full tok/s", "full / HF"]
+            "engine / HF by CPU time", "engine while full tok/s", "full / HF"]
     if vllm:
-        head += ["vLLM tok/s", "vLLM / HF"]
+        head += ["vLLM tok/s", "vLLM / HF", "vLLM / HF by CPU time"]
     speed, steps, profile = [], [], []
     for preset, r in rows.items():
-        hf_rate = n / r["hf_s"]
-        line = [preset, f"{r['params'] / 1e6:.2f}M", f"{n / r['engine_s']:.0f}", f"{hf_rate:.0f}",
-                f"**{r['ratio']:.2f}x** ({'met' if r['ratio'] >= 3 else 'missed'})",
+        hf_rate = n / r["hf_s"][0]
+        wall, cpu = r["ratio"]
+        line = [preset, f"{r['params'] / 1e6:.2f}M", f"{n / r['engine_s'][0]:.0f}", f"{hf_rate:.0f}",
+                f"**{wall:.2f}x** ({'met' if wall >= 3 else 'missed'})", f"{cpu:.2f}x",
                 f"{r['full_rate']:.0f}", f"{r['full_rate'] / hf_rate:.2f}x"]
         if vllm:
-            v = statistics.median(vllm[preset]["tokens_per_s"])
-            line += [f"{v:.0f}", f"{v / hf_rate:.2f}x"]
+            v_wall, v_cpu = (statistics.median(s[c] for s in vllm[preset]["seconds"]) for c in (0, 1))
+            line += [f"{n / v_wall:.0f}", f"{r['hf_s'][0] / v_wall:.2f}x", f"{r['hf_s'][1] / v_cpu:.2f}x"]
         speed.append(line)
-        hf_ms, engine_ms = 1e3 * r["hf_s"] / hf_steps, 1e3 * r["engine_s"] / r["decode_steps"]
+        hf_ms, engine_ms = 1e3 * r["hf_s"][1] / hf_steps, 1e3 * r["engine_s"][1] / r["decode_steps"]
         steps.append([preset, str(hf_steps), f"{hf_ms:.2f}", str(r["decode_steps"]),
                       f"{n / (r['decode_steps'] * capacity):.0%}", f"{engine_ms:.2f}",
                       f"{hf_steps / r['decode_steps']:.2f}x", f"{hf_ms / engine_ms:.2f}x"])
@@ -389,16 +393,18 @@ def render(load: tuple[float, float, float], wl: Workload, capacity: int, reps: 
         f"HF `generate`: static batches of {capacity} in the same order, each run to its longest "
         f"request ({hf_work} tokens generated for {n} useful: {n / hf_work:.0%}). "
         f"tok/s = useful tokens / wall time, median of {reps} interleaved runs; engine / HF = median "
-        "of the per-run ratios. \"While full\": the torch engine's rate until its queue ran dry "
-        "(every slot busy, as when an actor keeps it topped up), before the final drain.\n"
+        "of the per-run ratios; \"by CPU time\" = the same from each run's process CPU time, "
+        "which waits for a core on a loaded machine do not inflate. \"While full\": the torch "
+        "engine's rate until its queue ran dry (every slot busy, as when an actor keeps it "
+        "topped up), before the final drain.\n"
         + vllm_note + "\n"
         + _results.table(head, speed)
-        + "\nWhere the ratio comes from: engine / HF = (HF steps / engine decode steps) x (HF ms "
-        "per step / engine ms per step). HF runs each static batch to its longest request; the "
-        "engine runs fewer steps but drains at the end with fewer sequences (occupancy = useful "
-        "tokens / (steps x capacity)). Engine ms per step includes its prefills.\n\n"
-        + _results.table(["model", "HF steps", "HF ms/step", "engine steps", "engine occupancy",
-                          "engine ms/step", "step ratio", "per-step ratio"], steps)
+        + "\nWhere the ratio comes from (CPU time): engine / HF = (HF steps / engine decode steps) x "
+        "(HF ms per step / engine ms per step). HF runs each static batch to its longest request; "
+        "the engine runs fewer steps but drains at the end with fewer sequences (occupancy = "
+        "useful tokens / (steps x capacity)). Engine ms per step includes its prefills.\n\n"
+        + _results.table(["model", "HF steps", "HF CPU ms/step", "engine steps", "engine occupancy",
+                          "engine CPU ms/step", "step ratio", "per-step ratio"], steps)
         + ("\nProfile (torch.profiler, one more run of each, top ops by self CPU time):\n\n"
            + _results.table(["model", "engine", "top ops (share of self CPU time)"], profile)
            if profile else "")

@@ -106,13 +106,15 @@ def receiver_main(conn: Connection, shape: Shape, run_id: str, shm_dir: str, por
         receiver = receivers[name]
         while receiver.poll() != version:  # an actor polls between two decode steps
             time.sleep(0.0002)
+        t0 = time.perf_counter()
         receiver.receive_into(targets)
-        conn.send((time.perf_counter(), receiver.last_transfer_s))
+        done = time.perf_counter()
+        conn.send((done, done - t0))
     for receiver in receivers.values():
         receiver.close()
 
 
-def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, list[float]]:
+def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, list[float]]]:
     from pipelinerl.sync.broadcast import BroadcastWeightSender
     from pipelinerl.sync.shm import ShmWeightSender
 
@@ -129,8 +131,9 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, list[float]]:
     senders = {name: BroadcastWeightSender(f"tcp://127.0.0.1:{ports[name]}", 1, bucket_mb=mb,
                                            per_parameter=per_param)
                for name, (mb, per_param) in BROADCASTS.items()}  # in order: each waits for its peer
-    times: dict[str, list[float]] = {k: [] for k in
-                                     ["memcpy", "shm publish", "shm receive", *CHANNELS]}
+    # per channel: end-to-end, the sender's publish call, its broadcast alone, receive_into
+    times: dict[str, dict[str, list[float]]] = {
+        k: {"e2e": [], "publish": [], "transfer": [], "receive": []} for k in ["plain copy", *CHANNELS]}
     try:
         assert parent.recv() == "ready"
         for version in range(reps + 1):  # update 0 warms up buffers and mappings
@@ -138,7 +141,7 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             dst.copy_(src)
             if keep:
-                times["memcpy"].append(time.perf_counter() - t0)
+                times["plain copy"]["e2e"].append(time.perf_counter() - t0)
             for name in CHANNELS[version % len(CHANNELS):] + CHANNELS[:version % len(CHANNELS)]:
                 if name == "shm":
                     t0 = time.perf_counter()
@@ -152,10 +155,12 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, list[float]]:
                     published = time.perf_counter()
                 done, receive_s = parent.recv()
                 if keep:
-                    times[name].append(max(done, published) - t0)
-                    if name == "shm":
-                        times["shm publish"].append(published - t0)
-                        times["shm receive"].append(receive_s)
+                    t = times[name]
+                    t["e2e"].append(max(done, published) - t0)
+                    t["publish"].append(published - t0)
+                    t["receive"].append(receive_s)
+                    if name != "shm":
+                        t["transfer"].append(senders[name].last_transfer_s)
         parent.send(None)
         proc.join(timeout=60)
     finally:
@@ -174,12 +179,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = _results.load_average()
-    reps = {"1M": 3} if args.quick else {"1M": 20, "10M": 10, "50M": 6}
+    reps = {"1M": 3} if args.quick else {"1M": 30, "10M": 15, "50M": 8}
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-sync-", dir="/dev/shm") as shm_dir:
         for size, n in reps.items():
             results[size] = bench_size(SIZES[size], n, shm_dir)
-            print(f"{size}: " + ", ".join(f"{k} {1e3 * statistics.median(v):.2f} ms"
+            print(f"{size}: " + ", ".join(f"{k} {1e3 * statistics.median(v['e2e']):.2f} ms"
                                           for k, v in results[size].items()), file=sys.stderr)
     section = render(load, reps, results)
     print(section)
@@ -189,34 +194,38 @@ def main() -> None:
         _results.write_section("weight_sync", section)
 
 
-def render(load: tuple[float, float, float], reps: dict[str, int], results: dict[str, dict[str, list[float]]]) -> str:
-    head = ["params", "MB", "plain copy", "shm publish", "shm receive", "shm end-to-end",
-            *(f"{name} end-to-end" for name in BROADCASTS), "per parameter / 64 MB buckets"]
-    rows, speed = [], []
+def render(load: tuple[float, float, float], reps: dict[str, int],
+           results: dict[str, dict[str, dict[str, list[float]]]]) -> str:
+    rows = []
     for size, times in results.items():
         shape = SIZES[size]
         mb = 4 * shape.numel / 1e6
-        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        rows.append([f"{shape.numel / 1e6:.1f}M", f"{mb:.0f}",
-                     *(f"{ms[k]:.2f}" for k in ["memcpy", "shm publish", "shm receive", *CHANNELS]),
-                     f"{ms['gloo per parameter'] / ms['gloo 64 MB buckets']:.2f}x"])
-        speed.append([f"{shape.numel / 1e6:.1f}M", *(f"{mb / ms[k]:.2f}" for k in ["memcpy", *CHANNELS]),
-                      *(f"{ms[k] / ms['memcpy']:.1f}x" for k in CHANNELS)])
+
+        def ms(name: str, key: str) -> str:
+            v = times[name][key]
+            return f"{1e3 * statistics.median(v):.2f}" if v else "-"
+
+        copy_s = statistics.median(times["plain copy"]["e2e"])
+        for name, t in times.items():
+            e2e = statistics.median(t["e2e"])
+            rows.append([f"{shape.numel / 1e6:.1f}M", f"{mb:.0f}", name, f"**{1e3 * e2e:.2f}**",
+                         ms(name, "publish"), ms(name, "transfer"), ms(name, "receive"),
+                         f"{mb / 1e3 / e2e:.2f}", f"{e2e / copy_s:.1f}x"])
     return (
         "## Weight sync: time per update vs size (`benchmarks/weight_sync.py`)\n\n"
         + _results.environment(load)
-        + "\nfp32 Qwen2-shaped weights (12 tensors per layer, embedding and head). One receiver "
-        "process holds every channel's receiver; channels are measured round-robin, "
-        "median of " + ", ".join(f"{n} ({s})" for s, n in reps.items()) + " updates after one "
-        "warm-up. shm end-to-end = publish into the shared-memory file, notify, and the "
-        "receiver's `receive_into` done (seqlock-checked copy out); broadcast end-to-end = "
-        "`publish` (announce, wait for the receiver's ready, broadcast) until the receiver's "
-        "`receive_into` returns. plain copy = one in-process `copy_` of the same bytes as a "
-        "flat buffer. Times in ms.\n\n"
-        + _results.table(head, rows)
-        + "\nThroughput (GB/s of weights, end-to-end) and cost relative to the plain copy:\n\n"
-        + _results.table(["params", "plain copy GB/s", *(f"{k} GB/s" for k in CHANNELS),
-                          *(f"{k} / copy" for k in CHANNELS)], speed)
+        + "\nfp32 Qwen2-shaped weights (12 tensors per layer, embedding and head), sender in this "
+        "process, one receiver process that holds every channel's receiver at once; channels are "
+        "measured round-robin, median of " + ", ".join(f"{n} ({s})" for s, n in reps.items())
+        + " updates after one warm-up. end-to-end: shm = `publish` into the shared-memory file, "
+        "a pipe message, and the receiver's `receive_into` (seqlock-checked copy out) done; gloo "
+        "= `publish` (announce the version, wait for the receiver to be ready, broadcast) until "
+        "the receiver's `receive_into` returns. publish = the sender's call; broadcast = the "
+        "sender's `last_transfer_s` (the broadcast alone, after the handshake); receive_into = "
+        "the receiver's call (for gloo it includes waiting for the sender's go). plain copy = "
+        "one in-process `copy_` of the same bytes as a flat buffer. Times in ms.\n\n"
+        + _results.table(["params", "MB", "channel", "end-to-end ms", "publish ms", "broadcast ms",
+                          "receive_into ms", "GB/s", "/ plain copy"], rows)
     )
 
 

@@ -30,6 +30,7 @@ class WarmStartConfig(_Section):
     steps: int = Field(default=0, ge=0, description="0: the warm-start module's default")
     step_error_prob: float = Field(default=-1.0, le=1.0, description="<0: module default")
     cache_dir: str = ".cache/pipelinerl/warmstart"
+    seed: int = 0  # apart from the run's seed, so runs of several seeds share a starting model
 
 
 class TaskConfig(_Section):
@@ -76,6 +77,7 @@ class AdvantageConfig(_Section):
 class TrainerConfig(_Section):
     batch_size: int = Field(default=64, gt=0, description="samples (sequences) per optimizer step")
     max_steps: int = Field(default=200, gt=0)
+    max_time_s: float = Field(default=0.0, ge=0, description="stop after this wall-clock; 0: no limit")
     lr: float = Field(default=1e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -228,6 +228,16 @@ def share_groups(groups: list[Group] | None, rank: int, world: int) -> list[Grou
     return [Group.from_dict(d) for d in payload[0][rank::world]]
 
 
+def _out_of_time(cfg: Config, trainer: Trainer, rank: int, world: int) -> bool:
+    """The wall-clock budget is rank 0's call, so every rank stops after the same step."""
+    if not cfg.trainer.max_time_s:
+        return False
+    over = torch.tensor([float(time.monotonic() - trainer.started_at > cfg.trainer.max_time_s)])
+    if world > 1:
+        dist.broadcast(over, src=0)
+    return bool(over.item())
+
+
 def run_trainer(cfg: Config) -> None:
     from pipelinerl.metrics.logger import MetricsLogger, read_metrics
     from pipelinerl.metrics.plot import plot_run
@@ -262,7 +272,7 @@ def run_trainer(cfg: Config) -> None:
     bar = tqdm(total=cfg.trainer.max_steps, desc="train", dynamic_ncols=True,
                disable=not (cfg.metrics.progress and is_main))
     try:
-        while trainer.step < cfg.trainer.max_steps:
+        while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, rank, world):
             groups = next(batches) if batches is not None else None
             shard = share_groups(groups, rank, world)
             metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)

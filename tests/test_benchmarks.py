@@ -1,0 +1,61 @@
+"""Benchmarks: each script's `--quick` mode runs to the end and prints its table; the shared
+RESULTS.md helper rewrites only its own section."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import _results  # noqa: E402
+
+
+def test_write_section_replaces_only_its_block(tmp_path: Path) -> None:
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Results\n\nhand-written intro\n")
+    _results.write_section("a", "first A", path)
+    _results.write_section("b", "only B", path)
+    _results.write_section("a", "second A \\1 $x", path)  # regex-special text stays literal
+    text = path.read_text()
+    assert text.startswith("# Results\n\nhand-written intro\n")
+    assert "first A" not in text
+    assert "<!-- a:start -->\nsecond A \\1 $x\n<!-- a:end -->" in text
+    assert "<!-- b:start -->\nonly B\n<!-- b:end -->" in text
+    assert text.index("a:start") < text.index("b:start")  # replaced in place, not re-appended
+
+
+def test_write_section_creates_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "new.md"
+    _results.write_section("x", "body", path)
+    assert path.read_text().count("<!-- x:start -->") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "section", "table_header"),
+    [
+        ("engine.py", "engine", "| model | params | torch engine tok/s"),
+        ("trainer.py", "trainer", "| model | params | padded tok/s"),
+        ("weight_sync.py", "weight_sync", "| params | MB | channel"),
+    ],
+)
+def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str) -> None:
+    results = BENCHMARKS / "RESULTS.md"
+    before = results.read_text() if results.exists() else None
+    out = tmp_path / "RESULTS.md"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert table_header in proc.stdout
+    assert f"<!-- {section}:start -->" in out.read_text()
+    # Quick mode never touches the committed results.
+    assert (results.read_text() if results.exists() else None) == before
