@@ -84,7 +84,9 @@ class TrainerConfig(_Section):
     grad_clip: float = Field(default=1.0, gt=0)
     publish_every: int = Field(default=1, gt=0, description="optimizer steps between weight pushes")
     packing: bool = True
-    max_tokens_per_row: int = Field(default=1024, gt=0)
+    # 256 measured fastest on CPU (benchmarks/RESULTS.md, trainer): attention cost grows with
+    # the square of the row, padding waste with its shortness.
+    max_tokens_per_row: int = Field(default=256, gt=0)
     threads: int = Field(default=1, gt=0, description="torch threads for each trainer process")
     num_procs: int = Field(default=1, gt=0, description="trainer ranks on this machine (torchrun)")
     device: str = "cpu"
