@@ -288,8 +288,8 @@ def render(load: tuple[float, float, float], n_steps: int, batch_size: int, row_
         "AdamW, input building included. tok/s = useful (non-padding) input tokens / wall time; "
         "ratio = median over steps of padded time / packed time (wall; \"by CPU time\": from "
         "process CPU time, which waits for a core on a loaded machine do not inflate). Packed N = "
-        "`pack(max_tokens_per_row=N)` + `token_logprobs` + `reinforce_tis_loss` (N = 1024 is the "
-        "trainer's default).\n\n"
+        "`pack(max_tokens_per_row=N)` + `token_logprobs` + `reinforce_tis_loss` (N = 256 is the "
+        "trainer's default, chosen from this table).\n\n"
         + _results.table(head, rows)
         + "\nSanity (before timing, same weights, one backward each): REINFORCE-TIS loss and "
         "gradient norm; loss drift = the largest difference between a packed path's and the "

@@ -204,7 +204,9 @@ def test_math_bad_rows_are_counted_and_named(tmp_path, caplog) -> None:
 
 def test_math_custom_fields_and_template(tmp_path) -> None:
     data = _write(tmp_path / "d.jsonl", ['{"q": "What is 2+2?", "a": 4}'])
-    task = MathTask(str(data), problem_field="q", answer_field="a", prompt_template="Q: {problem}\nA:")
+    task = MathTask(
+        str(data), problem_field="q", answer_field="a", prompt_template="Q: {problem}\nA:"
+    )
     assert task.problems[0].prompt == "Q: What is 2+2?\nA:"
     with pytest.raises(ValueError, match="problem"):
         MathTask(str(data), prompt_template="no slot")

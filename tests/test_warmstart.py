@@ -35,9 +35,9 @@ def test_demo_batches_mask_prompt_and_padding(tmp_path: Path) -> None:
             n_prompt = row_ids.index(tok.convert_tokens_to_ids("=")) + 1
             assert row_labels[:n_prompt] == [-100] * n_prompt  # no loss on the prompt
             eos = row_labels.index(tok.eos_token_id)
-            assert row_ids[n_prompt:eos + 1] == row_labels[n_prompt:eos + 1]
-            assert set(row_labels[eos + 1:]) <= {-100}
-            assert set(row_ids[eos + 1:]) <= {tok.pad_token_id}
+            assert row_ids[n_prompt : eos + 1] == row_labels[n_prompt : eos + 1]
+            assert set(row_labels[eos + 1 :]) <= {-100}
+            assert set(row_ids[eos + 1 :]) <= {tok.pad_token_id}
             completion = tok.decode(row_ids[n_prompt:eos])
             assert ";A=" in completion
     assert min(widths) < max(widths)  # grouped by length: short batches are not padded long
@@ -48,8 +48,15 @@ def test_cache_key_covers_what_determines_the_result() -> None:
     key = cache_key(task, FAST)
     assert key == cache_key(ChainArithmeticTask(), FAST)
     assert key == cache_key(task, replace(FAST, num_threads=2, eval_problems=0))
-    for change in ({"steps": 4}, {"lr": 1e-3}, {"step_error_prob": 0.5}, {"seed": 1},
-                   {"preset": "small"}, {"bf16": True}, {"batch_size": 9}):
+    for change in (
+        {"steps": 4},
+        {"lr": 1e-3},
+        {"step_error_prob": 0.5},
+        {"seed": 1},
+        {"preset": "small"},
+        {"bf16": True},
+        {"batch_size": 9},
+    ):
         assert cache_key(task, replace(FAST, **change)) != key, change
     assert cache_key(ChainArithmeticTask(max_terms=5), FAST) != key
 
@@ -82,8 +89,13 @@ def test_warm_start_from_base_model(tmp_path: Path) -> None:
     task = ChainArithmeticTask()
     base = tmp_path / "base"
     build_tiny_model(base, build_char_tokenizer(task.alphabet, base), seed=3)
-    out = warm_start(task, replace(FAST, eval_problems=0), cache_dir=tmp_path / "cache",
-                     base_model_dir=base, progress=False)
+    out = warm_start(
+        task,
+        replace(FAST, eval_problems=0),
+        cache_dir=tmp_path / "cache",
+        base_model_dir=base,
+        progress=False,
+    )
     assert out.name.startswith("arithmetic-base-")
     assert cache_key(task, FAST, base) != cache_key(task, FAST)
     assert load_model(out).config.hidden_size == load_model(base).config.hidden_size
@@ -105,3 +117,12 @@ def test_training_lowers_the_loss(tmp_path: Path) -> None:
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert first > 2.0  # about log(vocab) at random init
     assert last < 0.6 * first, (first, last)
+
+
+def test_busy_cpu_falls_back_to_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ws.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(ws.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert ws._usable_threads(2) == 2
+    monkeypatch.setattr(ws.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    assert ws._usable_threads(2) == 1
+    assert ws._usable_threads(1) == 1

@@ -106,10 +106,20 @@ def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) 
     proc = subprocess.Popen(
         command,
         env=role_env(threads),
+        preexec_fn=_die_with_parent,
         stdout=log_file,
         stderr=subprocess.STDOUT if to_log else None,
     )
     return RoleProcess(role, proc, log_path if to_log else None, log_file)
+
+
+def _die_with_parent() -> None:
+    """Linux: a role gets SIGTERM when the launcher dies, even by SIGKILL: no orphans."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _failure_report(rp: RoleProcess, run_dir: Path) -> str:
@@ -141,6 +151,15 @@ def _stop_all(procs: list[RoleProcess], grace_s: float = 10.0) -> None:
 
 def launch(cfg: Config, overwrite: bool = False) -> int:
     """Run a whole job on this machine; returns the process exit code."""
+    previous = signal.getsignal(signal.SIGTERM)
+    install_role_signal_handlers()  # SIGTERM stops every role, like Ctrl-C
+    try:
+        return _launch(cfg, overwrite)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(cfg: Config, overwrite: bool) -> int:
     cfg = prepare_run(cfg, overwrite)
     run_dir = cfg.run_dir
     config_path = str(run_dir / "config.yaml")

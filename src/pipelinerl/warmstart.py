@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -26,7 +28,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from pipelinerl.models.hf import load_model, load_tokenizer, save_model
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
-from pipelinerl.tasks import DemonstrationTask
+from pipelinerl.tasks import DemonstrationTask, Problem
+
+logger = logging.getLogger(__name__)
 
 # Bump when a change here alters the trained weights, so stale caches are not reused.
 CODE_VERSION = 1
@@ -37,7 +41,7 @@ BUCKET = 8  # batches drawn at once and grouped by length
 @dataclass(frozen=True)
 class WarmStartConfig:
     preset: str = "tiny"  # tiny-model preset; ignored when a base model dir is given
-    steps: int = 800
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 30
@@ -48,7 +52,7 @@ class WarmStartConfig:
     # this AVX2-only CPU (no native bf16 matmul); worth trying on CPUs with AVX512-BF16/AMX.
     bf16: bool = False
     # Not part of the cache key: they do not change what is learnt.
-    num_threads: int = 2
+    num_threads: int = 2  # this runs before the RL roles start, so it may use both cores
     eval_problems: int = 256  # success measured after training, in the manifest; 0: skip
 
     def __post_init__(self) -> None:
@@ -87,7 +91,9 @@ def _dir_fingerprint(path: str | Path) -> list[Any]:
     # Names, sizes and mtimes: cheap, and changes whenever the checkpoint is rewritten.
     root = Path(path).resolve()
     return [str(root)] + [
-        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(root.iterdir()) if p.is_file()
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(root.iterdir())
+        if p.is_file()
     ]
 
 
@@ -111,10 +117,15 @@ def warm_start(
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.num_threads)  # runs before the RL roles start: use the cores
+    threads = _usable_threads(cfg.num_threads)
+    torch.set_num_threads(threads)
     try:
         if base_model_dir:
             tokenizer = load_tokenizer(base_model_dir)
+            if tokenizer.eos_token_id is None:
+                raise ValueError(
+                    f"tokenizer of {str(base_model_dir)!r} has no eos token to end demos"
+                )
             model = load_model(base_model_dir)
         else:
             tokenizer = build_char_tokenizer(task.alphabet, tmp)
@@ -122,6 +133,7 @@ def warm_start(
         t0 = time.perf_counter()
         losses = train(model, tokenizer, task, cfg, progress)
         train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         rng = random.Random(f"eval-{cfg.seed}")
         problems = [task.sample_problem(rng) for _ in range(cfg.eval_problems)]
         evals = {
@@ -129,6 +141,7 @@ def warm_start(
             for name, temperature in (("t1", 1.0), ("greedy", 0.0))
             if problems
         }
+        eval_s = time.perf_counter() - t0
         save_model(model, tokenizer, tmp)
         manifest = {
             "key": key,
@@ -137,7 +150,9 @@ def warm_start(
             "config": asdict(cfg),
             "base_model_dir": str(base_model_dir) if base_model_dir else None,
             "code_version": CODE_VERSION,
+            "threads": threads,
             "train_seconds": round(train_s, 1),
+            "eval_seconds": round(eval_s, 1),
             "loss_first": losses[0],
             "loss_last": sum(losses[-20:]) / len(losses[-20:]),
             "eval_problems": cfg.eval_problems,
@@ -153,6 +168,21 @@ def warm_start(
         torch.set_num_threads(prev_threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _usable_threads(requested: int) -> int:
+    """`requested` threads, or 1 when other work already keeps the CPU busy: every torch op
+    ends in a barrier across its threads, so when one of them is descheduled the whole step
+    waits. Measured here with load ~2 on 2 cores: 1 thread 0.25 s/step, 2 threads 5 s/step."""
+    busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+    if requested > 1 and busy > 0.5:
+        logger.warning(
+            "warm-start: CPU already busy (load %.1f), training with 1 thread instead of %d",
+            os.getloadavg()[0],
+            requested,
+        )
+        return 1
+    return requested
 
 
 def encode_demo(
@@ -173,7 +203,9 @@ def encode_demo(
     return prompt + completion, [-100] * len(prompt) + completion
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(
+    examples: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, labels). No attention mask is needed: attention is causal,
     so real tokens never see the padding that follows them, and padding has no labels."""
     width = max(len(ids) for ids, _ in examples)
@@ -195,7 +227,10 @@ def demo_batches(
     and grouped by length, so a batch is not padded to the rare long tail (about half the
     compute with the default length distribution)."""
     while True:
-        pool = [encode_demo(task, tokenizer, rng, cfg.step_error_prob) for _ in range(BUCKET * cfg.batch_size)]
+        pool = [
+            encode_demo(task, tokenizer, rng, cfg.step_error_prob)
+            for _ in range(BUCKET * cfg.batch_size)
+        ]
         pool.sort(key=lambda ex: len(ex[0]))
         batches = [pool[i : i + cfg.batch_size] for i in range(0, len(pool), cfg.batch_size)]
         rng.shuffle(batches)
@@ -211,8 +246,8 @@ def train(
     progress: bool = True,
 ) -> list[float]:
     """Train in place on fresh noisy demonstrations; returns the loss of every step."""
+    # The only randomness is the data: the model has no dropout.
     rng = random.Random(f"warmstart-{cfg.seed}")
-    torch.manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 10%
@@ -252,29 +287,36 @@ def sample_completions(
     batch_size: int = 128,
 ) -> list[str]:
     """Plain HF `generate` (greedy when temperature is 0, else pure sampling: no top-k/p),
-    decoded up to the first EOS. A reference sampler, independent of the project's engine."""
-    torch.manual_seed(seed)
-    out = []
-    pad = tokenizer.pad_token_id
-    for start in range(0, len(prompts), batch_size):
-        enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[start : start + batch_size]]
-        width = max(len(e) for e in enc)
-        # Left padding so every prompt ends where generation starts.
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    decoded up to the first EOS. A reference sampler, independent of the project's engine;
+    `seed` seeds a private RNG state, so the caller's torch RNG is left as it was."""
+    if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        gen = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=pad,
-            **(sampling if temperature > 0 else {"do_sample": False}),
-        )
-        for row in gen[:, width:].tolist():
-            if tokenizer.eos_token_id in row:
-                row = row[: row.index(tokenizer.eos_token_id)]
-            out.append(tokenizer.decode(row, skip_special_tokens=True))
+    else:
+        sampling = {"do_sample": False}
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    out = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            enc = [
+                tokenizer.encode(p, add_special_tokens=False)
+                for p in prompts[start : start + batch_size]
+            ]
+            width = max(len(e) for e in enc)
+            # Left padding so every prompt ends where generation starts.
+            ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **sampling,
+            )
+            for row in gen[:, width:].tolist():
+                row = row[: row.index(eos)] if eos in row else row
+                out.append(tokenizer.decode(row, skip_special_tokens=True))
     return out
 
 
@@ -282,11 +324,13 @@ def success_rate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     task: DemonstrationTask,
-    problems: list,
+    problems: list[Problem],
     temperature: float = 1.0,
     seed: int = 0,
 ) -> float:
+    """Fraction of `problems` solved by `sample_completions` at `temperature`."""
     completions = sample_completions(
         model, tokenizer, [p.prompt for p in problems], temperature, seed=seed
     )
-    return sum(task.score(p, c).success for p, c in zip(problems, completions)) / len(problems)
+    solved = sum(task.score(p, c).success for p, c in zip(problems, completions, strict=True))
+    return solved / len(problems)

@@ -58,9 +58,7 @@ def load_model(
     """A causal LM from a local HF directory, in eval mode, on `device` in `dtype`."""
     read_model_type(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, local_files_only=True
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelPathError(f"could not load model weights from {str(path)!r}: {e}") from e
     return model.to(device).eval()

@@ -25,8 +25,9 @@ class DemonstrationTask(Task, Protocol):
         """Everything that determines the problem distribution (for cache keys)."""
         ...
 
-    def demonstration(self, problem: Problem, rng: random.Random, step_error_prob: float) -> str:
-        ...
+    def demonstration(
+        self, problem: Problem, rng: random.Random, step_error_prob: float
+    ) -> str: ...
 
 
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from pipelinerl.tasks.base import Problem, Score
 
@@ -109,7 +109,9 @@ class ChainArithmeticTask:
         total = rng.randint(0, self.max_value)
         prompt = self._num(total)
         for op in rng.sample(range(1, self.max_operand + 1), n_terms - 1):
-            signs = [s for s, v in (("+", total + op), ("-", total - op)) if 0 <= v <= self.max_value]
+            signs = [
+                s for s, v in (("+", total + op), ("-", total - op)) if 0 <= v <= self.max_value
+            ]
             sign = rng.choice(signs)
             total = total + op if sign == "+" else total - op
             prompt += f"{sign}{op:0{self.op_width}d}"
@@ -135,7 +137,9 @@ class ChainArithmeticTask:
             if rng.random() < step_error_prob:
                 result += self._slip(result, terms[i + 1 :], rng)
             sign = "+" if term >= 0 else "-"
-            steps.append(f"{self._num(total)}{sign}{abs(term):0{self.op_width}d}={self._num(result)}")
+            steps.append(
+                f"{self._num(total)}{sign}{abs(term):0{self.op_width}d}={self._num(result)}"
+            )
             total = result
         return ",".join(steps) + f";A={self._num(total)}"
 

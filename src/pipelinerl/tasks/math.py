@@ -21,8 +21,8 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pipelinerl.tasks.base import Problem, Score
 
@@ -187,7 +187,9 @@ class MathTask:
                 if reason is not None:
                     self.skipped[reason] += 1
                     if sum(self.skipped.values()) <= MAX_ROW_WARNINGS:
-                        logger.warning("%s:%d: skipped row (%s)", self.dataset_path, line_no, reason)
+                        logger.warning(
+                            "%s:%d: skipped row (%s)", self.dataset_path, line_no, reason
+                        )
                     continue
                 prompt = self.prompt_template.replace("{problem}", row[self.problem_field])
                 answer = str(row[self.answer_field]).strip()
