@@ -119,10 +119,17 @@ def test_training_lowers_the_loss(tmp_path: Path) -> None:
     assert last < 0.6 * first, (first, last)
 
 
-def test_busy_cpu_falls_back_to_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ws.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(ws.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+def test_busy_cpu_falls_back_to_fewer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ws, "_idle_cpus", lambda: 1.9)
     assert ws._usable_threads(2) == 2
-    monkeypatch.setattr(ws.os, "getloadavg", lambda: (1.5, 0.0, 0.0))
+    monkeypatch.setattr(ws, "_idle_cpus", lambda: 1.2)
     assert ws._usable_threads(2) == 1
-    assert ws._usable_threads(1) == 1
+    monkeypatch.setattr(ws, "_idle_cpus", lambda: 0.1)
+    assert ws._usable_threads(2) == 1
+    monkeypatch.setattr(ws, "_idle_cpus", lambda: None)  # unknown (not Linux): as asked
+    assert ws._usable_threads(2) == 2
+
+
+def test_idle_cpus_measures_something() -> None:
+    idle = ws._idle_cpus(0.05)
+    assert idle is None or 0.0 <= idle <= (ws.os.cpu_count() or 1)

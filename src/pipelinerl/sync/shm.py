@@ -279,8 +279,8 @@ class ShmWeightSender:
         header[_SEQ_I] = seq + 2
         self._version = version
         self.last_transfer_s = time.perf_counter() - t0
-        logger.info("published weights version %d to %s in %.1f ms", version, self.path,
-                    1e3 * self.last_transfer_s)
+        logger.debug("published weights version %d to %s in %.1f ms", version, self.path,
+                     1e3 * self.last_transfer_s)
 
     def close(self) -> None:
         if self._mm is None:
