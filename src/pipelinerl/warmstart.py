@@ -45,7 +45,10 @@ class WarmStartConfig:
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 30
-    weight_decay: float = 0.01
+    # 0.1 rather than the usual 0.01: the result's units digit depends on two digits jointly
+    # (no signal from either alone), and training sits on a plateau until it clicks; with 0.1
+    # the plateau ended sooner and the term lookup came out much better (greedy 87% vs 64%).
+    weight_decay: float = 0.1
     step_error_prob: float = 0.3
     seed: int = 0
     # bf16 autocast (weights stay fp32). Off by default: measured 5-9x SLOWER than fp32 on
