@@ -6,40 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, LlamaConfig
 
 from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
 
 torch.set_num_threads(1)
 
-VOCAB = 50
+from tiny_models import VOCAB, tiny_hf_model  # noqa: E402
 ATOL = 1e-4
-
-
-def tiny_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random HF model with weights large enough that its distributions are peaked.
-    qwen2: tied embeddings, q/k/v bias, GQA; llama: untied, GQA, non-default rope_theta."""
-    common = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-    )
-    if arch == "qwen2":
-        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=50000.0, **common))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return model.eval()
 
 
 def decoder_from(hf: torch.nn.Module) -> CausalDecoder:

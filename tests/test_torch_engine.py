@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pipelinerl.engine.torch_engine import TorchEngine
@@ -16,32 +15,7 @@ from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)
 
-VOCAB = 50
-
-
-def tiny_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random HF model with peaked distributions (qwen2: tied + q/k/v bias; llama: untied)."""
-    common = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-    )
-    if arch == "qwen2":
-        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    return model.eval()
+from tiny_models import VOCAB, tiny_hf_model  # noqa: E402
 
 
 def make_engine(hf: torch.nn.Module, **kwargs: Any) -> TorchEngine:

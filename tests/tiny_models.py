@@ -1,0 +1,34 @@
+"""Tiny random Hugging Face models shared by the decoder and engine tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 50
+
+
+def tiny_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random HF model with weights large enough that its distributions are peaked.
+    qwen2: tied embeddings, q/k/v bias, GQA; llama: untied, GQA, non-default rope_theta."""
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
+    if arch == "qwen2":
+        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=50000.0, **common))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return model.eval()
