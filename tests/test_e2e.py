@@ -40,7 +40,8 @@ def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("e2e")
-    cfg = load_config(EXAMPLE, _overrides(tmp_path, "e2e"))
+    # max_lag=1: the groups of steps 3 and 4 can only start after the actor loaded new weights.
+    cfg = load_config(EXAMPLE, _overrides(tmp_path, "e2e", "actor.max_lag=1"))
     assert launch(cfg) == 0
     return cfg.run_dir
 
@@ -51,7 +52,7 @@ def test_metrics_have_every_field_with_sane_values(finished_run):
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0 and 0.0 <= r["success"] <= 1.0
         assert 0.0 < r["ess"] <= 1.0 + 1e-9
-        assert 0 <= r["lag_mean"] <= r["lag_max"] <= 4  # max_lag of the example
+        assert 0 <= r["lag_mean"] <= r["lag_max"] <= 1  # max_lag of this run
         assert r["mismatch_abs"] >= 0 and math.isfinite(r["mismatch_abs"])
         assert r["trainer_tokens_per_s"] > 0 and r["actor_tokens_per_s"] > 0
         assert 0.0 <= r["trainer_wait_frac"] <= 1.0 and 0.0 <= r["actor_idle_frac"] <= 1.0
