@@ -10,7 +10,7 @@ a ~1M-parameter char-level model in a few minutes on a CPU:
   in the prompt, the previous step's operand (which sits at a fixed offset back).
 Finding the next term is still the hardest part: long chains are what RL has left to fix. The
 number of terms is drawn from a skewed distribution, so completion lengths run from ~12 to
-~64 characters with a thin tail: the length spread that makes pipelined generation pay off.
+~60 characters with a thin tail: the length spread that makes pipelined generation pay off.
 """
 
 from __future__ import annotations
