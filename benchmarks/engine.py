@@ -63,14 +63,16 @@ class Workload:
 
 
 def make_workload(tokenizer: Any, n_prompts: int, seed: int = 0) -> Workload:
+    from pipelinerl.models.hf import encode_prompt
     from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 
     task, rng = ChainArithmeticTask(), random.Random(seed)
     prompts, max_new = [], []
     for _ in range(n_prompts):
         problem = task.sample_problem(rng)
-        prompts.append(tokenizer.encode(problem.prompt))
-        max_new.append(len(tokenizer.encode(task.demonstration(problem, rng))) + 1)
+        prompts.append(encode_prompt(tokenizer, problem.prompt))
+        demo = task.demonstration(problem, rng)
+        max_new.append(len(tokenizer.encode(demo, add_special_tokens=False)) + 1)
     return Workload(prompts, max_new)
 
 
@@ -186,10 +188,6 @@ def update_pause(engine: Any, trainer: Any, wl: Workload, reps: int, shm_dir: st
                 engine.add_request(r)
         engine.step()
 
-    def receive() -> None:
-        receiver.receive_into(engine.named_weights())
-        engine.set_version(version)
-
     try:
         for _ in range(reps):
             step()
@@ -200,7 +198,7 @@ def update_pause(engine: Any, trainer: Any, wl: Workload, reps: int, shm_dir: st
             step()
             version += 1
             sender.publish(weights, version)
-            times["shm_receive"].append(timed_ms(receive))
+            times["shm_receive"].append(timed_ms(partial(engine.receive_weights, receiver.receive_into)))
     finally:
         receiver.close()
         sender.close()
@@ -428,7 +426,7 @@ def render(load: tuple[float, float, float], wl: Workload, capacity: int, reps: 
         + "\nIn-flight weight update (engine running with sequences in flight; median of "
         f"{pause_reps}, each measured right after a decode step): plain copy = one `copy_` of all "
         "parameters as a flat fp32 buffer; `load_weights` from the trainer's state dict; shm "
-        "receive = `ShmWeightReceiver.receive_into(engine.named_weights())` + `set_version`.\n\n"
+        "receive = `engine.receive_weights(ShmWeightReceiver.receive_into)`.\n\n"
         + _results.table(["model", "MiB", "plain copy ms", "load_weights ms", "load / copy (target <= 2x)",
                           "shm receive ms", "shm / copy"], pause)
         + "\nEngine vs trainer log-probs: |engine log-prob - HF teacher-forced log_softmax| over "

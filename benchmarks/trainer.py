@@ -48,6 +48,7 @@ GRAD_CLIP = 1.0
 def make_batches(tokenizer: Any, model: Any, n_batches: int, batch_size: int,
                  seed: int = 0) -> list[tuple[list[Any], torch.Tensor]]:
     """`n_batches` lists of samples with their advantages."""
+    from pipelinerl.models.hf import encode_prompt
     from pipelinerl.rl.advantages import group_advantages
     from pipelinerl.tasks.arithmetic import ChainArithmeticTask
     from pipelinerl.types import Sample
@@ -60,11 +61,11 @@ def make_batches(tokenizer: Any, model: Any, n_batches: int, batch_size: int,
         samples, advantages = [], []
         for _ in range(batch_size // GROUP_SIZE):
             problem = task.sample_problem(rng)
-            prompt = tokenizer.encode(problem.prompt)
+            prompt = encode_prompt(tokenizer, problem.prompt)
             group = []
             for _ in range(GROUP_SIZE):
                 text = task.demonstration(problem, rng, step_error_prob=0.3)
-                tokens = tokenizer.encode(text) + [eos]
+                tokens = tokenizer.encode(text, add_special_tokens=False) + [eos]
                 reward = task.score(problem, text).reward
                 group.append(Sample(prompt, tokens, [0.0] * len(tokens), [0] * len(tokens), reward,
                                     reward > 0, "stop"))

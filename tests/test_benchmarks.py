@@ -43,6 +43,7 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
         ("engine.py", "engine", "| model | params | torch engine tok/s"),
         ("trainer.py", "trainer", "| model | params | padded tok/s"),
         ("weight_sync.py", "weight_sync", "| params | MB | channel"),
+        ("scoring.py", "scoring", "| verifier | verifier processes"),
     ],
 )
 def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str) -> None:

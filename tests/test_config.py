@@ -37,6 +37,15 @@ def test_cross_field_check():
     assert "multiple of" in str(err.value)
 
 
+def test_configs_that_cannot_make_progress_are_refused_naming_the_keys():
+    with pytest.raises(ConfigError, match=r"engine\.capacity.*actor\.group_size"):
+        load_config(None, ["engine.capacity=4", "actor.group_size=8", "trainer.batch_size=16"])
+    with pytest.raises(ConfigError, match=r"trainer\.publish_every.*actor\.max_lag"):
+        load_config(None, ["trainer.publish_every=3", "actor.max_lag=1"])
+    # Conventional mode publishes once per round whatever publish_every says.
+    load_config(None, ["mode=conventional", "trainer.publish_every=3", "actor.max_lag=0"])
+
+
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, ["trainer.lr"])

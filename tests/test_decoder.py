@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, MistralConfig
 
 from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
 
 torch.set_num_threads(1)
 
-from tiny_models import VOCAB, tiny_hf_model  # noqa: E402
+from tiny_models import ARCHS, VOCAB, tiny_hf_model  # noqa: E402
 ATOL = 1e-4
 
 
@@ -22,9 +22,13 @@ def decoder_from(hf: torch.nn.Module) -> CausalDecoder:
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_logits_match_hf_prefill_and_decode(arch: str) -> None:
-    hf = tiny_hf_model(arch)
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [(arch, {}) for arch in ARCHS]
+    + [("qwen3", {"attention_bias": True}), ("llama", {"attention_bias": True, "mlp_bias": True})],
+)
+def test_logits_match_hf_prefill_and_decode(arch: str, overrides: dict) -> None:
+    hf = tiny_hf_model(arch, **overrides)
     model = decoder_from(hf)
     tokens = torch.randint(0, VOCAB, (3, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -75,12 +79,11 @@ def test_bfloat16_decode_stays_close_to_fp32() -> None:
 
 
 def test_load_pretrained_round_trip(tmp_path: Path) -> None:
-    for arch in ("qwen2", "llama"):
+    for arch in ARCHS:
         hf = tiny_hf_model(arch)
         hf.save_pretrained(tmp_path / arch)
         model = load_pretrained(tmp_path / arch)
-        if arch == "qwen2":
-            assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == hf.config.tie_word_embeddings
         tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
         with torch.no_grad():
             torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=ATOL, rtol=0)
@@ -98,7 +101,7 @@ def test_load_pretrained_errors_name_the_path(tmp_path: Path) -> None:
 
 
 def test_unsupported_configs_fail_clearly() -> None:
-    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type 'gpt2'.*llama, mistral, qwen2, qwen3"):
         CausalDecoder(GPT2Config())
     scaled = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="RoPE type 'linear'"):
@@ -115,3 +118,35 @@ def test_load_hf_weights_rejects_missing_unknown_and_misshaped() -> None:
         model.load_hf_weights({**weights, "extra.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="model.norm.weight"):
         model.load_hf_weights({**weights, "model.norm.weight": torch.ones(3)})
+
+
+@pytest.mark.parametrize(
+    ("arch", "window_config"),
+    [
+        ("mistral", dict(sliding_window=12)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    ],
+)
+def test_sliding_window_serves_sequences_within_it_and_refuses_longer(arch: str, window_config: dict) -> None:
+    """Up to the window, sliding-window attention is plain causal attention: the decoder
+    matches HF; a cache or a forward longer than the window is refused, naming both lengths."""
+    hf = tiny_hf_model(arch, **window_config)
+    model = decoder_from(hf)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens[:, :12]), hf(tokens[:, :12]).logits, atol=ATOL, rtol=0)
+        KVCache(model.config, capacity=2, max_seq_len=12, device="cpu", dtype=torch.float32)
+        # Beyond the window HF's attention differs from causal attention (the same weights
+        # without a window): the decoder must refuse, not silently compute the latter.
+        causal = tiny_hf_model(arch)(tokens).logits
+        assert (hf(tokens).logits[:, 12:] - causal[:, 12:]).abs().max() > 10 * ATOL
+        with pytest.raises(ValueError, match="sliding_window=12.*16 positions"):
+            model(tokens)
+    with pytest.raises(ValueError, match="sliding_window=12.*32 positions"):
+        KVCache(model.config, capacity=2, max_seq_len=32, device="cpu", dtype=torch.float32)
+
+
+def test_mistral_without_sliding_window() -> None:
+    cfg = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    assert CausalDecoder(cfg).config.sliding_window is None

@@ -76,6 +76,11 @@ def test_final_weights_load_with_transformers_and_plot_exists(finished_run):
 
 
 def test_a_dead_role_stops_the_run_and_its_error_is_shown(tmp_path, capsys):
+    from transformers import Qwen2Config
+
+    # A config the launcher's model check accepts, but no weights: the roles die loading it.
+    Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, vocab_size=20).save_pretrained(tmp_path / "no-model")
     cfg = load_config(EXAMPLE, _overrides(tmp_path, "dead", f"model.path={tmp_path / 'no-model'}"))
     t0 = time.monotonic()
     assert launch(cfg) == 1

@@ -3,22 +3,45 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
-from pipelinerl.models.hf import ModelPathError, load_model, load_tokenizer, save_model
+from pipelinerl.config import load_config
+from pipelinerl.launch import launch
+from pipelinerl.models.hf import (
+    ModelPathError,
+    check_engine_model,
+    encode_prompt,
+    load_model,
+    load_tokenizer,
+    save_model,
+)
 from pipelinerl.models.tiny import (
     PRESETS,
     build_char_tokenizer,
     build_tiny_model,
     init_tiny_model,
 )
-from pipelinerl.tasks.arithmetic import ALPHABET
+from pipelinerl.rl.packing import pack, token_logprobs
+from pipelinerl.tasks.arithmetic import ALPHABET, ChainArithmeticTask
+from pipelinerl.types import Sample
+from pipelinerl.warmstart import encode_demo
 
 torch.set_num_threads(1)
+
+from tiny_models import ARCHS, VOCAB, tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -161,3 +184,94 @@ def test_bad_model_paths(tmp_path: Path, tiny_dir: Path) -> None:
     (no_weights / "config.json").write_text((tiny_dir / "config.json").read_text())
     with pytest.raises(ModelPathError, match=f"weights from.*{no_weights}"):
         load_model(no_weights)
+
+
+def bos_tokenizer(out_dir: Path, template: str = "<s> $A") -> PreTrainedTokenizerBase:
+    """A Llama-style tokenizer built locally: its post-processor puts <s> before every text
+    (`template`), one word per token; saved and loaded back as the roles load it."""
+    words = ["<unk>", "<s>", "</s>", "hello", "world", "<|user|>", *ALPHABET]
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
+    backend.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["<|user|>"],
+    ).save_pretrained(str(out_dir))
+    return load_tokenizer(out_dir)
+
+
+def test_encode_prompt_starts_with_bos_where_the_tokenizer_puts_one(tmp_path: Path) -> None:
+    tok = bos_tokenizer(tmp_path / "llama")
+    assert encode_prompt(tok, "hello world") == [1, 3, 4]
+    # A chat template's output already starts with BOS: not a second one.
+    assert encode_prompt(tok, "<s><|user|> hello") == [1, 5, 3]
+    # A post-processor that also appends EOS: a prompt continues, so no EOS.
+    eos_too = bos_tokenizer(tmp_path / "eos", template="<s> $A </s>")
+    assert encode_prompt(eos_too, "hello") == [1, 3]
+    # The char tokenizer (and Qwen's) put nothing before a text: one id per character.
+    char = build_char_tokenizer(ALPHABET, tmp_path / "char")
+    assert encode_prompt(char, "12+7=") == char.encode("12+7=", add_special_tokens=False)
+    assert len(encode_prompt(char, "12+7=")) == 5
+
+
+def test_warm_start_demonstrations_see_the_prompt_as_the_actor_encodes_it(tmp_path: Path) -> None:
+    tok = bos_tokenizer(tmp_path)
+    task, rng = ChainArithmeticTask(), random.Random(0)
+    problem = task.sample_problem(random.Random(0))
+    ids, labels = encode_demo(task, tok, rng, step_error_prob=0.0)
+    prompt = encode_prompt(tok, problem.prompt)
+    assert ids[: len(prompt)] == prompt and ids[0] == tok.bos_token_id
+    assert labels[: len(prompt)] == [-100] * len(prompt) and labels[len(prompt)] != -100
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen3", {}), ("mistral", {"sliding_window": 16})])
+def test_trainer_packs_qwen3_and_mistral_with_block_diagonal_attention(
+    arch: str, overrides: dict, tmp_path: Path
+) -> None:
+    """The trainer's HF model (load_model) on a packed row gives each sequence the log-probs
+    it has alone: position ids restart and no sequence attends to another (Mistral: a window
+    shorter than the row, longer than each sequence)."""
+    tiny_hf_model(arch, seed=3, **overrides).save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for p, c in [(5, 7), (3, 9), (8, 4)]:
+        ids = torch.randint(0, VOCAB, (p + c,), generator=gen).tolist()
+        samples.append(Sample(ids[:p], ids[p:], [0.0] * c, [0] * c, 0.0, False, "length"))
+    (batch,) = pack(samples, [0.0] * 3, max_tokens_per_row=64)
+    assert batch.num_sequences == 3
+    with torch.no_grad():
+        packed = token_logprobs(model, batch)
+        for i, s in enumerate(samples):
+            ids = torch.tensor([s.prompt_ids + s.token_ids])
+            alone = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].log_softmax(-1)
+            expected = alone.gather(1, torch.tensor(s.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(packed[batch.seq_idx == i], expected, atol=1e-5, rtol=0)
+
+
+def test_engine_model_check_refuses_at_start(tmp_path: Path) -> None:
+    for arch in ARCHS:
+        tiny_hf_model(arch).config.save_pretrained(tmp_path / arch)
+        check_engine_model(tmp_path / arch, "torch", max_seq_len=64)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    for backend in ("torch", "vllm"):
+        with pytest.raises(ModelPathError, match="'gpt2'.*supported.*llama.*mistral.*qwen2.*qwen3"):
+            check_engine_model(gpt2, backend, max_seq_len=64)
+    tiny_hf_model("mistral", sliding_window=32).config.save_pretrained(tmp_path / "window")
+    with pytest.raises(ValueError, match="sliding_window=32.*64 positions"):
+        check_engine_model(tmp_path / "window", "torch", max_seq_len=64)
+    check_engine_model(tmp_path / "window", "vllm", max_seq_len=64)  # vLLM slides itself
+
+
+def test_launch_refuses_an_unsupported_family_before_any_role_starts(tmp_path: Path) -> None:
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    cfg = load_config(None, [f"output_dir={tmp_path}", f"model.path={model}"])
+    with pytest.raises(SystemExit, match="model_type 'gpt2'.*supported.*llama.*mistral.*qwen2.*qwen3"):
+        launch(cfg)
+    assert not list((cfg.run_dir / "logs").iterdir())  # no role was started

@@ -1,9 +1,13 @@
 """Packed and padded trainer inputs give the same log-probs as one sequence at a time."""
 
+import math
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.rl.losses import reinforce_tis_loss
 from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, token_logprobs
 from pipelinerl.types import Sample
@@ -50,11 +54,22 @@ def make_samples() -> list[Sample]:
     return samples
 
 
-def reference_logprobs(model: Qwen2ForCausalLM, s: Sample, temperature: float) -> torch.Tensor:
-    """One sequence alone, no padding, no packing: the ground truth."""
+def reference_logprobs(
+    model: Qwen2ForCausalLM, s: Sample, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """One sequence alone, no padding, no packing: the ground truth. Truncation by
+    transformers' warpers, the sampled token always kept (its log-prob stays finite)."""
     ids = torch.tensor([s.prompt_ids + s.token_ids])
     logits = model(ids, use_cache=False).logits[0, :-1] / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    targets = ids[0, 1:, None]
+    warped = logits
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    keep = torch.isfinite(warped).scatter_(-1, targets, True)
+    logits = logits.masked_fill(~keep, float("-inf"))
+    lp = torch.log_softmax(logits, -1).gather(-1, targets).squeeze(-1)
     return lp[len(s.prompt_ids) - 1 :]
 
 
@@ -120,24 +135,40 @@ def test_pad_layout() -> None:
 
 
 @pytest.mark.parametrize(
-    "attn, temperature, chunk",
-    [("sdpa", 1.0, None), ("eager", 1.0, None), ("sdpa", 0.7, None), ("eager", 0.7, 3)],
+    "attn, temperature, chunk, top_k, top_p",
+    [
+        ("sdpa", 1.0, None, 0, 1.0),
+        ("eager", 1.0, None, 0, 1.0),
+        ("sdpa", 0.7, None, 0, 1.0),
+        ("eager", 0.7, 3, 0, 1.0),
+        ("sdpa", 0.7, None, 10, 0.8),
+        ("sdpa", 1.3, 3, 0, 0.6),
+    ],
 )
-def test_packed_and_padded_match_unpacked(attn: str, temperature: float, chunk: int | None) -> None:
+def test_packed_and_padded_match_unpacked(
+    attn: str, temperature: float, chunk: int | None, top_k: int, top_p: float
+) -> None:
     model = tiny_model(attn)
     samples = make_samples()
     adv = [0.0] * len(samples)
     with torch.no_grad():
-        ref = {i: reference_logprobs(model, s, temperature) for i, s in enumerate(samples)}
+        ref = {
+            i: reference_logprobs(model, s, temperature, top_k, top_p)
+            for i, s in enumerate(samples)
+        }
         for batches in (pack(samples, adv, ROW), pad(samples, adv), pad(samples, adv, 40)):
-            lps = [token_logprobs(model, b, temperature, chunk_tokens=chunk) for b in batches]
+            lps = [
+                token_logprobs(model, b, temperature, top_k, top_p, chunk_tokens=chunk)
+                for b in batches
+            ]
             got = by_sequence(batches, lps)
             assert got.keys() == ref.keys()
             for i in ref:
                 torch.testing.assert_close(got[i], ref[i], atol=1e-5, rtol=0)
 
 
-def test_packed_gradient_matches_padded() -> None:
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (10, 0.8)])
+def test_packed_gradient_matches_padded(top_k: int, top_p: float) -> None:
     """A step split into packed rows (micro-batches) gives the gradient of one padded batch."""
     model = tiny_model("sdpa")
     samples = make_samples()
@@ -146,7 +177,7 @@ def test_packed_gradient_matches_padded() -> None:
     def step_grad(batches: list[PackedBatch], chunk: int | None = None) -> torch.Tensor:
         model.zero_grad()
         for b in batches:
-            new = token_logprobs(model, b, chunk_tokens=chunk)
+            new = token_logprobs(model, b, top_k=top_k, top_p=top_p, chunk_tokens=chunk)
             reinforce_tis_loss(new, b.old_logprobs, b.advantages, len(samples)).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -158,7 +189,8 @@ def test_packed_gradient_matches_padded() -> None:
     torch.testing.assert_close(step_grad(packed, chunk=4), want, atol=1e-6, rtol=0)
 
 
-def test_chunked_logprobs_gradient() -> None:
+@pytest.mark.parametrize("truncation", [None, (3, 1.0), (0, 0.7), (4, 0.6)])
+def test_chunked_logprobs_gradient(truncation: tuple[int, float] | None) -> None:
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(7, 11, generator=g, dtype=torch.float64, requires_grad=True)
     rows = torch.tensor([5, 0, 3, 6, 2])
@@ -166,11 +198,29 @@ def test_chunked_logprobs_gradient() -> None:
     weights = torch.randn(5, generator=g, dtype=torch.float64)
     t = 0.6
     # chunk of 2 tokens forces three chunks, the last one partial
-    got = _SelectedLogprobs.apply(logits, rows, targets, t, 2)
+    got = _SelectedLogprobs.apply(logits, rows, targets, t, 2, truncation)
     (got.double() * weights).sum().backward()
     got_grad = logits.grad.clone()
     logits.grad = None
-    want = torch.log_softmax(logits[rows] / t, -1).gather(-1, targets[:, None]).squeeze(-1)
+    x = logits[rows] / t
+    dropped = torch.zeros_like(x, dtype=torch.bool)
+    if truncation:
+        keep = x >= truncation_threshold(x.detach(), *truncation)
+        dropped = ~keep.scatter(-1, targets[:, None], True)
+        x = x.masked_fill(dropped, float("-inf"))
+        assert dropped.any()
+    want = torch.log_softmax(x, -1).gather(-1, targets[:, None]).squeeze(-1)
     (want * weights).sum().backward()
     torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(got_grad, logits.grad, atol=1e-6, rtol=0)
+    # The kept set is a stop-gradient choice: a dropped logit gets no gradient.
+    assert (got_grad[rows][dropped] == 0).all()
+
+
+def test_sampled_token_outside_the_kept_set_stays_finite() -> None:
+    """After an update the trainer's top-k may no longer hold a sampled token: its log-prob is
+    then taken with the token added to the kept set, not -inf."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    # top-1 keeps token 0 only; the sampled token 3 joins it: log(e^0 / (e^3 + e^0))
+    lp = _SelectedLogprobs.apply(logits, torch.tensor([0]), torch.tensor([3]), 1.0, 1, (1, 1.0))
+    torch.testing.assert_close(lp, -torch.log1p(torch.tensor([math.exp(3.0)])))

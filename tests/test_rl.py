@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from pipelinerl.rl.advantages import group_advantages, groups_advantages
-from pipelinerl.rl.losses import LossStats, ppo_clip_loss, reinforce_tis_loss
+from pipelinerl.rl.losses import (
+    ClipActive,
+    LossStats,
+    ppo_clip_active,
+    ppo_clip_loss,
+    reinforce_tis_loss,
+    tis_clip_active,
+)
 from pipelinerl.types import Group, Sample
 
 torch.set_num_threads(1)
@@ -143,7 +150,7 @@ def test_micro_batches_add_up_to_the_step(loss_fn) -> None:
 def test_ess_on_policy_is_one() -> None:
     stats = LossStats()
     lp = torch.tensor([-1.0, -0.2, -3.0])
-    stats.add(lp, lp, torch.tensor([4, 4, 4]), trainer_version=4)
+    stats.add(lp, lp, torch.ones(3), torch.tensor([4, 4, 4]), trainer_version=4)
     m = stats.finalize()
     close(m["ess"], 1.0)
     close(m["rho_mean"], 1.0)
@@ -156,21 +163,43 @@ def test_ess_non_uniform_across_micro_batches() -> None:
     # rho = (1, 3) over two micro-batches: (1 + 3)^2 / (2 * (1 + 9)) = 16 / 20 = 0.8
     stats = LossStats()
     zero = torch.zeros(1, dtype=torch.float64)
-    stats.add(zero, zero, torch.tensor([0]), trainer_version=0)
-    stats.add(zero + math.log(3), zero, torch.tensor([0]), trainer_version=0)
+    stats.add(zero, zero, zero, torch.tensor([0]), trainer_version=0)
+    stats.add(zero + math.log(3), zero, zero, torch.tensor([0]), trainer_version=0)
     m = stats.finalize()
     close(m["ess"], 0.8)
     close(m["rho_mean"], 2.0)
 
 
-def test_clip_fraction() -> None:
-    new, old, _ = tensors()  # rho = (2, 10, 0.5)
-    stats = LossStats()
-    stats.add(new, old, torch.zeros(3, dtype=torch.long), 0, clip_range=(0.0, 5.0))
-    close(stats.finalize()["clip_frac"], 1 / 3)  # only rho = 10 > c = 5
-    stats = LossStats()
-    stats.add(new, old, torch.zeros(3, dtype=torch.long), 0, clip_range=(0.8, 1.2))
-    close(stats.finalize()["clip_frac"], 1.0)  # PPO: 2, 10 and 0.5 all leave [0.8, 1.2]
+def test_clip_fraction_counts_only_tokens_whose_clipped_term_is_active() -> None:
+    # token:      0    1    2    3    4    5   6
+    rho = [2.0, 0.5, 2.0, 0.5, 10.0, 10.0, 1.0]
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.0, -1.0, 1.0], dtype=torch.float64)
+    new = torch.zeros(7, dtype=torch.float64, requires_grad=True)
+    old = -torch.log(torch.tensor(rho, dtype=torch.float64))
+    versions = torch.zeros(7, dtype=torch.long)
+
+    def clip_frac(clip_active: ClipActive) -> float:
+        stats = LossStats()
+        stats.add(new, old, adv, versions, 0, clip_active)
+        return stats.finalize()["clip_frac"]
+
+    def grad(loss: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(loss, new)
+        return g
+
+    # PPO, eps = 0.2: the clipped term is the min only for r > 1.2 with A > 0 (token 0) and
+    # r < 0.8 with A < 0 (token 3); tokens 1, 2 and 5 leave [0.8, 1.2] on the side where the
+    # unclipped term is the min, token 4 has A = 0.
+    close(clip_frac(ppo_clip_active(0.2)), 2 / 7)
+    # ... which are exactly the tokens with A != 0 that the clip deprives of their gradient.
+    ppo_grad = grad(ppo_clip_loss(new, old, adv, 1, eps=0.2))
+    assert ((ppo_grad == 0) & (adv != 0)).tolist() == [i in (0, 3) for i in range(7)]
+    # REINFORCE-TIS, c = 5: tokens 4 and 5 have rho > 5, but with A = 0 token 4's gradient is
+    # zero whatever the weight: only token 5's gradient changes.
+    close(clip_frac(tis_clip_active(5.0)), 1 / 7)
+    changed = grad(reinforce_tis_loss(new, old, adv, 1, clip_c=5.0)) != grad(
+        reinforce_tis_loss(new, old, adv, 1, clip_c=math.inf))
+    assert changed.tolist() == [i == 5 for i in range(7)]
 
 
 def test_lag_and_lag0_mismatch() -> None:
@@ -179,8 +208,8 @@ def test_lag_and_lag0_mismatch() -> None:
     old = torch.tensor([-1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
     new = old + torch.tensor([0.1, -0.3, 1.0, -2.0], dtype=torch.float64)
     stats = LossStats()
-    stats.add(new[:2], old[:2], torch.tensor([5, 5]), trainer_version=5)
-    stats.add(new[2:], old[2:], torch.tensor([3, 1]), trainer_version=5)
+    stats.add(new[:2], old[:2], old[:2], torch.tensor([5, 5]), trainer_version=5)
+    stats.add(new[2:], old[2:], old[2:], torch.tensor([3, 1]), trainer_version=5)
     m = stats.finalize()
     close(m["lag_mean"], (0 + 0 + 2 + 4) / 4)
     close(m["lag_max"], 4.0)
@@ -201,8 +230,8 @@ def test_stats_mask_and_empty() -> None:
     stats = LossStats()
     assert stats.finalize() == {"tokens": 0.0}
     lp = torch.tensor([-1.0, -2.0])
-    stats.add(lp, lp - 5.0, torch.tensor([0, 2]), 3, mask=torch.tensor([False, False]))
+    stats.add(lp, lp - 5.0, lp, torch.tensor([0, 2]), 3, mask=torch.tensor([False, False]))
     assert stats.finalize() == {"tokens": 0.0}
-    stats.add(lp, lp, torch.tensor([0, 2]), 3, mask=torch.tensor([False, True]))
+    stats.add(lp, lp, lp, torch.tensor([0, 2]), 3, mask=torch.tensor([False, True]))
     m = stats.finalize()
     assert m["tokens"] == 1.0 and m["lag_max"] == 1.0 and "mismatch_abs_lag0" not in m

@@ -1,52 +1,185 @@
 """The staleness bound: actor admission (Schedule) and the trainer's hard filter."""
 
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
 import pytest
 
 from pipelinerl.actor import Schedule
+from pipelinerl.config import ConfigError, load_config
 from pipelinerl.trainer import BatchSource
 from pipelinerl.types import Group, Sample
 
 
-def _simulate(schedule: Schedule, group_size: int, steps: int, finish_delay: int) -> list[int]:
-    """An idealised run: the actor starts every group the schedule allows; each group finishes
-    `finish_delay` optimizer steps after it started; the trainer consumes groups in finishing
-    order and publishes after every step. Returns the lag of every trained sample."""
-    started, version, in_flight, ready, lags = 0, 0, [], [], []
-    for step in range(steps):
-        while schedule.may_start(started, group_size, version):
-            in_flight.append((step + finish_delay, version))
-            started += group_size
-        ready += [v for (done, v) in in_flight if done <= step]
-        in_flight = [(d, v) for (d, v) in in_flight if d > step]
-        need = schedule.batch_size // group_size
-        if len(ready) < need:
-            continue  # trainer waits; no step taken
-        batch, ready = ready[:need], ready[need:]
-        lags += [version - v for v in batch]
-        version += 1
+@dataclass
+class _SimActor:
+    """An actor's admission bookkeeping as the real one keeps it: local group indices, the
+    ones given back by dropped groups first."""
+
+    schedule: Schedule
+    capacity_groups: int
+    version: int = 0
+    next_index: int = 0
+    free: list[int] = field(default_factory=list)
+    in_engine: list[tuple[int, int, int]] = field(default_factory=list)  # (done_tick, index, version)
+
+    def peek(self) -> int:
+        return self.free[0] if self.free else self.next_index
+
+    def take(self) -> int:
+        if self.free:
+            return heapq.heappop(self.free)
+        self.next_index += 1
+        return self.next_index - 1
+
+
+def _simulate(
+    schedules: list[Schedule],
+    *,
+    capacity_groups: int = 1_000,
+    publish_every: int = 1,
+    steps: int = 12,
+    delays: tuple[int, ...] = (1,),
+    drop_prob: float = 0.0,
+    seed: int = 0,
+) -> list[int]:
+    """Actors start every group their schedule and engine allow; a group finishes a random
+    `delays` ticks later (so groups arrive out of order), and with `drop_prob` fails
+    verification (its index goes back to its actor). The trainer takes its batch (a round in
+    conventional mode) in arrival order and publishes every `publish_every` steps (every round
+    in conventional mode). Returns the lag of every trained group (started under version v,
+    trained at step s: s - v); fewer than `steps` batches means the run stalled."""
+    rng = random.Random(seed)
+    s0 = schedules[0]
+    per_step = s0.batch_size // s0.group_size
+    take = per_step * (s0.conventional_g or 1)
+    every = s0.conventional_g or publish_every
+    actors = [_SimActor(s, capacity_groups) for s in schedules]
+    ready: list[int] = []  # versions of finished, verified groups in arrival order
+    lags: list[int] = []
+    step = 0
+    for tick in range(steps * 20 + 20):
+        for a in actors:
+            while len(a.in_engine) < a.capacity_groups and a.schedule.may_start(a.peek(), a.version):
+                a.in_engine.append((tick + rng.choice(delays), a.take(), a.version))
+        for a in actors:
+            for done in [g for g in a.in_engine if g[0] <= tick]:
+                a.in_engine.remove(done)
+                if rng.random() < drop_prob:
+                    heapq.heappush(a.free, done[1])
+                else:
+                    ready.append(done[2])
+        while len(ready) >= take and step < steps:
+            batch, ready = ready[:take], ready[take:]
+            for i in range(0, take, per_step):
+                lags += [step - v for v in batch[i:i + per_step]]
+                step += 1
+            if step % every == 0:
+                for a in actors:
+                    a.version = step
+    assert len(lags) % per_step == 0
     return lags
+
+
+def _actors(n: int, **kwargs) -> list[Schedule]:
+    return [Schedule(num_actors=n, actor_id=a, **kwargs) for a in range(n)]
 
 
 @pytest.mark.parametrize("max_lag", [0, 1, 3])
 def test_pipeline_admission_keeps_lag_within_bound(max_lag):
-    lags = _simulate(Schedule(batch_size=16, max_lag=max_lag), group_size=4, steps=40, finish_delay=0)
-    assert lags and max(lags) <= max_lag
+    lags = _simulate(_actors(1, batch_size=16, group_size=4, max_lag=max_lag), steps=40)
+    assert len(lags) == 40 * 4 and max(lags) <= max_lag
     # The bound is used, not just respected: the actor runs ahead up to it.
     assert max(lags) == max_lag
 
 
 def test_conventional_generates_one_round_with_frozen_weights():
-    s = Schedule(batch_size=8, max_lag=0, conventional_g=4)
-    # Round 0 (version 0): exactly B*G = 32 samples may start, then nothing until version 4.
-    assert s.may_start(28, 4, version=0) and not s.may_start(32, 4, version=0)
-    assert not s.may_start(32, 4, version=3) and s.may_start(32, 4, version=4)
-    lags = _simulate(s, group_size=4, steps=40, finish_delay=0)
+    s = Schedule(batch_size=8, group_size=4, max_lag=0, conventional_g=4)
+    # Round 0 (version 0): exactly B*G/group_size = 8 groups may start, then none until version 4.
+    assert s.may_start(7, version=0) and not s.may_start(8, version=0)
+    assert not s.may_start(8, version=3) and s.may_start(8, version=4)
+    lags = _simulate([s], steps=40)
     assert sorted(set(lags)) == [0, 1, 2, 3]
 
 
-def test_several_actors_share_the_bound():
-    s = Schedule(batch_size=16, max_lag=0, num_actors=2)
-    assert s.may_start(4, 4, version=0) and not s.may_start(8, 4, version=0)
+def test_groups_are_dealt_to_actors_by_index():
+    # B=24, G=8: groups 0-2 are step 0's. Actor 0 owns 0, 2, 4...; actor 1 owns 1, 3, 5...
+    a0, a1 = _actors(2, batch_size=24, group_size=8, max_lag=0)
+    assert [a0.may_start(k, version=0) for k in range(3)] == [True, True, False]
+    assert [a1.may_start(k, version=0) for k in range(3)] == [True, False, False]
+    assert a1.may_start(2, version=1) and not a1.may_start(3, version=1)  # groups 5 and 7
+
+
+# The configurations of issue 8 that stalled at step 0 with the pace estimate, and more.
+_STALLED_BEFORE = [
+    dict(batch_size=24, group_size=8, max_lag=0, n=2),  # admitted 16 of step 0's 24 samples
+    dict(batch_size=64, group_size=8, max_lag=0, conventional_g=1, n=3),  # 48 of 64
+    dict(batch_size=16, group_size=4, max_lag=1, n=3),
+    dict(batch_size=8, group_size=8, max_lag=0, n=4),  # more actors than groups per step
+    dict(batch_size=32, group_size=4, max_lag=2, conventional_g=3, n=5),
+]
+
+
+@pytest.mark.parametrize("case", _STALLED_BEFORE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_several_actors_admit_enough_for_every_step(case):
+    case = dict(case)
+    n = case.pop("n")
+    lags = _simulate(_actors(n, **case), steps=12, delays=(1, 2, 3), seed=1)
+    assert len(lags) == 12 * case["batch_size"] // case["group_size"]
+    # In index order (no reordering) every group lands within the bound.
+    if not case.get("conventional_g"):
+        assert max(_simulate(_actors(n, **case), steps=12)) <= case["max_lag"]
+
+
+def test_dropped_groups_give_their_index_back():
+    lags = _simulate(_actors(2, batch_size=16, group_size=4, max_lag=0), steps=20,
+                     delays=(1, 2), drop_prob=0.3, seed=2)
+    assert len(lags) == 20 * 4
+
+
+# ---- every configuration the validator accepts makes progress; the others are refused ----
+
+_GRID = list(itertools.product(
+    [1, 4],  # group_size
+    [1, 3],  # groups per step
+    [1, 2, 3],  # num_actors
+    [0, 1],  # max_lag
+    [1, 2, 3],  # publish_every
+    ["pipeline", "conventional2"],
+    [0.5, 1, 2],  # engine capacity in groups (0.5: less than one group)
+))
+
+
+def _config_overrides(g, k, n, lag, every, mode, cap):
+    out = [f"actor.group_size={g}", f"trainer.batch_size={g * k}", f"actor.num_actors={n}",
+           f"actor.max_lag={lag}", f"trainer.publish_every={every}",
+           f"engine.capacity={max(1, int(cap * g))}"]
+    if mode.startswith("conventional"):
+        out += ["mode=conventional", f"conventional_g={mode[-1]}"]
+    return out
+
+
+def test_each_configuration_runs_or_is_refused_at_start():
+    for g, k, n, lag, every, mode, cap in _GRID:
+        overrides = _config_overrides(g, k, n, lag, every, mode, cap)
+        try:
+            cfg = load_config(None, overrides)
+        except ConfigError:
+            refused = True
+        else:
+            refused = False
+            assert cfg.engine.capacity >= cfg.actor.group_size
+        schedules = _actors(n, batch_size=g * k, group_size=g, max_lag=lag,
+                            conventional_g=int(mode[-1]) if mode != "pipeline" else 0)
+        lags = _simulate(schedules, capacity_groups=max(1, int(cap * g)) // g, publish_every=every,
+                         steps=6, delays=(1, 2), seed=3)
+        ran = len(lags) == 6 * k
+        assert ran != refused, (overrides, "refused" if refused else "accepted", len(lags))
+
+
+# ---- the trainer's hard filter ---------------------------------------------------------------
 
 
 def _group(gid: str, version: int, n: int = 2) -> dict:

@@ -304,6 +304,14 @@ def test_redis_runs_are_namespaced(redis_server: RedisServer) -> None:
     client.close()
 
 
+def test_redis_key_of_a_run_name_and_run_id() -> None:
+    key = stream_key("my-run:20261123-a1b2", "rollouts")
+    assert key == "pipelinerl:my-run:20261123-a1b2:rollouts"
+    for bad in ("my-run:", ":x", "my run", "a:b c"):
+        with pytest.raises(ValueError, match="must match"):
+            stream_key(bad, "rollouts")
+
+
 @pytest.mark.redis
 def test_redis_trim_keeps_records_after_offsets(redis_server: RedisServer) -> None:
     run = f"trim-{uuid.uuid4().hex[:8]}"

@@ -21,6 +21,7 @@ from pipelinerl.sync import (
     make_receiver,
     make_sender,
 )
+from pipelinerl.sync import shm as shm_mod
 from pipelinerl.sync.shm import shm_path
 
 torch.set_num_threads(1)
@@ -247,6 +248,53 @@ def test_shm_next_run_replaces_a_crashed_runs_file() -> None:
     assert not shm_path(run_id).exists()
 
 
+class _RecordingHeader:
+    """Stands in for a receiver's header array: logs which words are read."""
+
+    def __init__(self, header: Any, log: list[str]) -> None:
+        self.header, self.log = header, log
+
+    def __getitem__(self, i: int) -> Any:
+        self.log.append({shm_mod._SEQ_I: "load seq", shm_mod._VERSION_I: "load version"}[i])
+        return self.header[i]
+
+
+def test_shm_seqlock_puts_barriers_between_header_and_data_fake_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the memory barriers sit (they matter on aarch64, where plain loads and stores may
+    be reordered; x86-64 keeps their order, so no race test here can show it). A fake fence
+    records what the file and the targets hold each time it runs."""
+    run_id = _run_id()
+    sender, receiver = ShmWeightSender(run_id), ShmWeightReceiver(run_id)
+    log: list[str] = []
+    targets = _targets(torch.float32)
+    try:
+        sender.publish(_weights(1), 1)
+        receiver.poll()
+        file_view = ShmWeightReceiver(run_id)
+        file_view.poll()
+
+        def writer_fence() -> None:
+            seq = int(file_view._header[shm_mod._SEQ_I])
+            embed = file_view._views[0]  # slot 0: the embedding, published first
+            log.append(f"fence seq={seq} embed_v2={bool(torch.equal(embed, _weights(2)[EMBED]))}")
+
+        monkeypatch.setattr(shm_mod, "_fence", writer_fence)
+        sender.publish(_weights(2), 2)
+        assert log == ["fence seq=3 embed_v2=False", "fence seq=3 embed_v2=True"]
+        assert int(file_view._header[shm_mod._SEQ_I]) == 4
+
+        log.clear()
+        monkeypatch.setattr(shm_mod, "_fence", lambda: log.append(f"fence filled={bool(targets[EMBED].any())}"))
+        receiver._header = _RecordingHeader(receiver._header, log)
+        assert receiver.receive_into(targets) == 2
+        assert log == ["load seq", "fence filled=False", "load version", "fence filled=True", "load seq"]
+        _assert_same(targets, 2)
+        file_view.close()
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_factory() -> None:
     with pytest.raises(ValueError, match=r"known: \['broadcast', 'shm'\]"):
         make_sender("carrier-pigeon")
@@ -437,3 +485,22 @@ def test_broadcast_receiver_without_trainer_times_out() -> None:
     with pytest.raises(ValueError, match="tcp://host:port"):
         BroadcastWeightReceiver("127.0.0.1:1234", 0, 1)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shm_into_cuda_page_locks_and_casts_on_the_device() -> None:
+    run_id = _run_id()
+    weights = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    sender, receiver = ShmWeightSender(run_id), ShmWeightReceiver(run_id)
+    try:
+        sender.publish({k: v.cuda() for k, v in weights.items()}, 1)
+        assert sender._page_lock.ptr is not None  # GPU -> shm ran as DMA
+        targets = {k: torch.zeros_like(v, dtype=torch.bfloat16, device="cuda")
+                   for k, v in weights.items()}
+        assert receiver.receive_into(targets) == 1
+        assert receiver._page_lock.ptr is not None
+        for k, v in weights.items():
+            assert torch.equal(targets[k].cpu(), v.to(torch.bfloat16))
+    finally:
+        receiver.close()
+        sender.close()

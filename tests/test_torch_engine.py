@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 torch.set_num_threads(1)
 
-from tiny_models import VOCAB, tiny_hf_model  # noqa: E402
+from tiny_models import ARCHS, VOCAB, tiny_hf_model  # noqa: E402
 
 
 def make_engine(hf: torch.nn.Module, **kwargs: Any) -> TorchEngine:
@@ -55,7 +57,9 @@ def greedy(max_new_tokens: int, stop: tuple[int, ...] = ()) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
 
 
-@pytest.mark.parametrize(("arch", "max_prefill_tokens"), [("qwen2", 8192), ("llama", 12)])
+@pytest.mark.parametrize(
+    ("arch", "max_prefill_tokens"), [("qwen2", 8192), ("llama", 12), ("qwen3", 8192), ("mistral", 12)]
+)
 def test_continuous_batching_matches_generating_each_prompt_alone(arch: str, max_prefill_tokens: int) -> None:
     hf = tiny_hf_model(arch)
     engine = make_engine(hf, capacity=3, max_prefill_tokens=max_prefill_tokens)
@@ -100,8 +104,9 @@ def test_decode_runs_over_active_slots_only_and_their_longest_length() -> None:
     assert all(span == needed for _, span, needed in calls)
 
 
-def test_sampled_logprobs_match_teacher_forced_hf() -> None:
-    hf = tiny_hf_model("qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_sampled_logprobs_match_teacher_forced_hf(arch: str) -> None:
+    hf = tiny_hf_model(arch)
     engine = make_engine(hf, capacity=3, seed=7)
     for i, p in enumerate(prompts(5)):
         engine.add_request(GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=12, temperature=0.7)))
@@ -244,21 +249,94 @@ def test_kept_kv_cache_differs_from_recomputed_but_uses_the_new_weights() -> Non
         assert out.token_ids[5:] == hf_greedy(b_head, p + out.token_ids[:5], 7)
 
 
-def test_named_weights_and_set_version() -> None:
+def test_receive_weights_copies_into_the_engine_tensors() -> None:
     a, b = tiny_hf_model("qwen2", seed=0), tiny_hf_model("qwen2", seed=1)
     engine = make_engine(a, recompute_kv_on_update=True)
-    named = engine.named_weights()
-    assert named["lm_head.weight"].data_ptr() == named["model.embed_tokens.weight"].data_ptr()
     p = prompts(1)[0]
     engine.add_request(GenerationRequest("r", p, greedy(10)))
     engine.step()
-    # A receiver copying every HF name (the tied pair twice) into the engine's tensors.
-    for name, tensor in b.state_dict().items():
-        named[name].copy_(tensor)
-    engine.set_version(3)
+
+    def receive(targets: Mapping[str, torch.Tensor]) -> int:
+        # A receiver copying every HF name; the tied pair is one tensor, so twice is harmless.
+        assert targets["lm_head.weight"].data_ptr() == targets["model.embed_tokens.weight"].data_ptr()
+        for name, tensor in b.state_dict().items():
+            targets[name].copy_(tensor)
+        return 3
+
+    assert engine.receive_weights(receive) == 3 and engine.version == 3
     out = run_to_end(engine)["r"]
     assert out.versions == [0, 0] + [3] * 8
     assert out.token_ids[2:] == hf_greedy(b, p + out.token_ids[:2], 8)
+
+
+def test_receive_weights_from_another_thread_lands_between_steps() -> None:
+    """A slow fake receiver in a background thread alternates weights A and B while the main
+    thread decodes. With the KV cache recomputed on update, every token must be exactly what
+    the weights of its stamped version give on its prefix: never a torn mix of A and B."""
+    models = [tiny_hf_model("llama", seed=0), tiny_hf_model("llama", seed=1)]
+    states = [m.state_dict() for m in models]
+    engine = make_engine(models[0], recompute_kv_on_update=True)
+    ps = prompts(7, seed=5)
+
+    def slow_receive(version: int) -> Callable[[Mapping[str, torch.Tensor]], int]:
+        def receive(targets: Mapping[str, torch.Tensor]) -> int:
+            for name, target in targets.items():
+                target.copy_(states[version % 2][name])
+                time.sleep(0.001)  # room for a step() to run in the middle of the copy
+            return version
+        return receive
+
+    done, landed = threading.Event(), []
+
+    def updater() -> None:
+        while not done.is_set():
+            version = len(landed) + 1
+            landed.append(engine.receive_weights(slow_receive(version)))
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=updater)
+    thread.start()
+    outputs: dict[str, GenerationOutput] = {}
+    try:
+        # Keep the engine busy with sequences of varied lengths until four updates landed.
+        while len(landed) < 4 or engine.num_active():
+            while len(landed) < 4 and engine.num_active() < engine.capacity:
+                i = len(outputs) + engine.num_active()
+                engine.add_request(GenerationRequest(f"r{i}", ps[i % 7], greedy(8 + i % 7)))
+            outputs.update((o.request_id, o) for o in engine.step())
+    finally:
+        done.set()
+        thread.join()
+    assert landed == list(range(1, len(landed) + 1))
+    assert any(len(set(out.versions)) > 1 for out in outputs.values()), "no update landed mid-sequence"
+    for out in outputs.values():
+        assert out.versions == sorted(out.versions)
+        reference = [hf_logits(m, out).log_softmax(-1) for m in models]
+        for j, (token, logprob, version) in enumerate(zip(out.token_ids, out.logprobs, out.versions)):
+            expected = reference[version % 2][j]
+            assert token == int(expected.argmax()), (out.request_id, j, version)
+            assert abs(logprob - float(expected[token])) < 1e-4, (out.request_id, j, version)
+
+
+def test_failed_receive_stops_the_engine() -> None:
+    engine = make_engine(tiny_hf_model("qwen2"))
+    engine.add_request(GenerationRequest("r", prompts(1)[0], greedy(4)))
+
+    def broken(targets: Mapping[str, torch.Tensor]) -> int:
+        next(iter(targets.values())).zero_()
+        raise TimeoutError("writer crashed mid-publish")
+
+    with pytest.raises(TimeoutError):
+        engine.receive_weights(broken)
+    with pytest.raises(RuntimeError, match="mix of two versions"):
+        engine.step()
+
+
+def test_sliding_window_shorter_than_max_seq_len_is_refused_at_start() -> None:
+    hf = tiny_hf_model("mistral", sliding_window=32)
+    make_engine(hf, max_seq_len=32)
+    with pytest.raises(ValueError, match="sliding_window=32.*64 positions.*engine.max_seq_len"):
+        make_engine(hf, max_seq_len=64)
 
 
 def test_from_pretrained(tmp_path: Path) -> None:
@@ -273,8 +351,9 @@ def test_from_pretrained(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_engine_matches_cpu() -> None:
-    hf = tiny_hf_model("qwen2")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_engine_matches_cpu(arch: str) -> None:
+    hf = tiny_hf_model(arch)
     cpu, gpu = make_engine(hf), make_engine(hf, device="cuda")
     for engine in (cpu, gpu):
         for i, p in enumerate(prompts(6)):

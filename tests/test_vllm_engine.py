@@ -141,6 +141,30 @@ def test_sampled_logprobs_are_the_processed_distribution(
         torch.testing.assert_close(torch.tensor(o.logprobs), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.8), (5, 0.8)])
+def test_trainer_scores_the_distribution_vllm_sampled_from(
+    engine_a: VllmEngine, models, top_k: int, top_p: float
+) -> None:
+    """Lag 0, same weights: the trainer's log-probs under the mirrored top-k / top-p
+    truncation equal vLLM's processed log-probs, so rho = 1 per token."""
+    from pipelinerl.rl.packing import pack, token_logprobs
+    from pipelinerl.types import Sample
+
+    temperature = 1.3
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, top_k=top_k, top_p=top_p)
+    reqs = [GenerationRequest(f"t{i}", p, params) for i, p in enumerate(PROMPTS)]
+    out = run(engine_a, reqs)
+    samples = [
+        Sample(o.prompt_ids, o.token_ids, o.logprobs, o.versions, 0.0, False, o.finish_reason)
+        for o in out.values()
+    ]
+    with torch.no_grad():
+        for b in pack(samples, [0.0] * len(samples), 64):
+            new = token_logprobs(models["a"][0], b, temperature, top_k=top_k, top_p=top_p)
+            rho = torch.exp(new - b.old_logprobs)
+            torch.testing.assert_close(rho, torch.ones_like(rho), atol=1e-4, rtol=0)
+
+
 def test_stop_token_is_included_with_its_logprob(engine_a: VllmEngine, models) -> None:
     prompt = PROMPTS[1]
     greedy = hf_greedy(models["a"][0], prompt, 16)
@@ -195,14 +219,17 @@ def test_inflight_update_keeps_requests_and_kv(engine_a: VllmEngine, models) -> 
 
 
 def test_staged_update_changes_tied_head(engine_a: VllmEngine, models) -> None:
-    """named_weights()/set_version(): a request after the update is pure model B, which needs
-    the tied lm_head to follow the new embedding (pitfall 2)."""
+    """receive_weights(): a request after the update is pure model B, which needs the tied
+    lm_head to follow the new embedding (pitfall 2)."""
     hf_a, hf_b = models["a"][0], models["b"][0]
-    staging = engine_a.named_weights()
-    assert "lm_head.weight" not in staging and all(t.device.type == "cpu" for t in staging.values())
-    for name, tensor in checkpoint_weights(hf_b).items():
-        staging[name].copy_(tensor)
-    engine_a.set_version(2)
+
+    def receive(staging) -> int:
+        assert "lm_head.weight" not in staging and all(t.device.type == "cpu" for t in staging.values())
+        for name, tensor in checkpoint_weights(hf_b).items():
+            staging[name].copy_(tensor)
+        return 2
+
+    assert engine_a.receive_weights(receive) == 2
     out = run(engine_a, greedy_requests(16, "n"))
     for i, prompt in enumerate(PROMPTS):
         o = out[f"n{i}"]
@@ -214,7 +241,7 @@ def test_staged_update_changes_tied_head(engine_a: VllmEngine, models) -> None:
 
 def test_shm_channel_fills_the_staging_tensors(engine_a: VllmEngine, models, tmp_path) -> None:
     """The actor's path: a trainer publishes its tied state dict (lm_head.weight included, as
-    the same storage as the embedding), the receiver copies into named_weights()."""
+    the same storage as the embedding), the receiver copies into the staging tensors."""
     from pipelinerl.sync.shm import ShmWeightReceiver, ShmWeightSender
 
     hf_b = models["b"][0]
@@ -222,7 +249,7 @@ def test_shm_channel_fills_the_staging_tensors(engine_a: VllmEngine, models, tmp
     receiver = ShmWeightReceiver("vllmtest", tmp_path)
     try:
         sender.publish(dict(hf_b.state_dict()), version=4)
-        engine_a.set_version(receiver.receive_into(engine_a.named_weights()))
+        engine_a.receive_weights(receiver.receive_into)
     finally:
         receiver.close()
         sender.close()

@@ -3,21 +3,35 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from transformers.utils import logging as hf_logging
 
 import pipelinerl.warmstart as ws
+from pipelinerl.config import Config
+from pipelinerl.launch import starting_model
 from pipelinerl.models.hf import load_model, load_tokenizer
 from pipelinerl.models.tiny import build_char_tokenizer, build_tiny_model, init_tiny_model
 from pipelinerl.tasks import ChainArithmeticTask
-from pipelinerl.warmstart import WarmStartConfig, cache_key, sample_completions, warm_start
+from pipelinerl.warmstart import (
+    WarmStartConfig,
+    cache_key,
+    resolve_cache_dir,
+    sample_completions,
+    warm_start,
+)
 
 torch.set_num_threads(1)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 
 # Tiny settings: seconds, not minutes.
 FAST = WarmStartConfig(steps=3, batch_size=8, num_threads=1, eval_problems=4)
@@ -133,3 +147,98 @@ def test_busy_cpu_falls_back_to_fewer_threads(monkeypatch: pytest.MonkeyPatch) -
 def test_idle_cpus_measures_something() -> None:
     idle = ws._idle_cpus(0.05)
     assert idle is None or 0.0 <= idle <= (ws.os.cpu_count() or 1)
+
+
+@pytest.fixture
+def user_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh HOME with no cache variables set, and two working directories beside it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for cwd in ("cwd_a", "cwd_b"):
+        (tmp_path / cwd).mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("PIPELINERL_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    return home
+
+
+def test_cache_dir_follows_the_user_cache_variables(
+    user_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path / "cwd_a")
+    assert resolve_cache_dir("") == user_home / ".cache" / "pipelinerl" / "warmstart"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve_cache_dir("") == tmp_path / "xdg" / "pipelinerl" / "warmstart"
+    monkeypatch.setenv("PIPELINERL_CACHE", str(tmp_path / "mine"))
+    assert resolve_cache_dir(None) == tmp_path / "mine" / "warmstart"
+    # An explicit path wins; a relative one is taken against the working directory.
+    assert resolve_cache_dir(tmp_path / "given") == tmp_path / "given"
+    assert resolve_cache_dir("rel/ws") == tmp_path / "cwd_a" / "rel" / "ws"
+
+
+def test_cached_warm_start_is_found_from_another_working_directory(
+    user_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = ChainArithmeticTask()
+    monkeypatch.chdir(tmp_path / "cwd_a")
+    out = warm_start(task, FAST, progress=False)
+    assert out.parent == user_home / ".cache" / "pipelinerl" / "warmstart"
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a cached warm-start must not train again")
+
+    monkeypatch.setattr(ws, "train", no_training)
+    monkeypatch.chdir(tmp_path / "cwd_b")
+    assert warm_start(task, FAST, progress=False) == out
+
+
+def test_launcher_default_cache_dir_does_not_depend_on_cwd_with_fake_warm_start(
+    user_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Path] = []
+
+    def fake_warm_start(task, cfg, cache_dir, progress) -> Path:  # records, trains nothing
+        seen.append(Path(cache_dir))
+        return Path(cache_dir) / "model"
+
+    monkeypatch.setattr(ws, "warm_start", fake_warm_start)
+    for cwd in ("cwd_a", "cwd_b"):
+        monkeypatch.chdir(tmp_path / cwd)
+        starting_model(Config())
+    expected = user_home / ".cache" / "pipelinerl" / "warmstart"
+    assert seen == [expected, expected]
+    starting_model(Config(warmstart={"cache_dir": "rel"}))  # explicit and relative: the cwd
+    assert seen[-1] == tmp_path / "cwd_b" / "rel"
+
+
+def test_warm_start_without_progress_prints_no_bar(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    bars_before = hf_logging.is_progress_bar_enabled()
+    warm_start(ChainArithmeticTask(), FAST, cache_dir=tmp_path, progress=False)
+    out, err = capfd.readouterr()
+    assert "%|" not in out + err and "\r" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled() == bars_before  # restored for the caller
+
+
+@pytest.mark.slow
+def test_run_with_progress_off_prints_no_progress_bar(tmp_path: Path) -> None:
+    """A whole short run (fresh warm-start, actor, trainer) with metrics.progress=false: no
+    progress bar in the launcher's output, which the trainer shares, nor in any role's log."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")}
+    overrides = [
+        "name=quiet", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={tmp_path / 'ws'}",
+        "warmstart.steps=20", "engine.capacity=16", "actor.group_size=4",
+        "trainer.batch_size=16", "trainer.max_steps=2", "trainer.sample_timeout_s=120",
+        "metrics.progress=false",
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "pipelinerl.cli", "train", str(EXAMPLE), *overrides],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    for log in (tmp_path / "runs" / "quiet" / "logs").glob("*.log"):
+        output += log.read_text()
+    assert "%|" not in output and "\r" not in output, output

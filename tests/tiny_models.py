@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 VOCAB = 50
+ARCHS = ("qwen2", "llama", "qwen3", "mistral")
 
 
-def tiny_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
+def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A tiny random HF model with weights large enough that its distributions are peaked.
-    qwen2: tied embeddings, q/k/v bias, GQA; llama: untied, GQA, non-default rope_theta."""
-    common = dict(
+    qwen2: tied embeddings, q/k/v bias, GQA; llama: untied, GQA, non-default rope_theta;
+    qwen3: tied, per-head q/k RMSNorm, head_dim != hidden/heads; mistral: untied,
+    head_dim != hidden/heads, a sliding window longer than any test sequence.
+    `overrides` go to the config."""
+    common: dict[str, Any] = dict(
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -21,9 +36,17 @@ def tiny_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
         max_position_embeddings=256,
     )
     if arch == "qwen2":
-        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**{"tie_word_embeddings": True, **common, **overrides}))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**{"tie_word_embeddings": False, "rope_theta": 50000.0, **common, **overrides}))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"tie_word_embeddings": True, "head_dim": 24, **common, **overrides}))
+    elif arch == "mistral":
+        model = MistralForCausalLM(
+            MistralConfig(**{"tie_word_embeddings": False, "head_dim": 24, "sliding_window": 128, **common, **overrides})
+        )
     else:
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=50000.0, **common))
+        raise ValueError(f"unknown arch {arch!r}; known: {ARCHS}")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,59 +1,78 @@
 """The actor role: keeps the engine full, groups attempts, scores them, publishes groups.
 
 Loop (paper, "Actor"): load new weights if the trainer published some (between two decode
-steps), top the engine up with new prompt groups while the staleness bound allows, run one
-decode step, score and publish the groups whose attempts have all finished.
+steps), top the engine up with new prompt groups while the staleness bound allows, publish the
+groups whose scores came back, run one decode step, and hand the groups whose attempts have
+all finished to the scorer (worker processes: verification never stops decoding).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import time
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipelinerl.engine.base import Engine
+from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
-from pipelinerl.tasks.base import Problem, Score, Task
+from pipelinerl.tasks.base import Problem, Task
 from pipelinerl.types import GenerationOutput, GenerationRequest, Group, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_SKIPPED_IDS = 100  # problem ids kept per skip reason (the counts are complete)
+MAX_LONG_PROMPTS_IN_A_ROW = 1000  # draws that all fail to fit: the data or config is wrong
+
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which samples the actor may start, given the weights it holds.
+    """Which groups an actor may start, given the weights it holds: exact quotas, no estimate.
 
-    Sample i (in start order, counted over all actors) is expected to be trained at optimizer
-    step i // batch_size. Started under weights of version v, its first token has lag
-    i // batch_size - v.
-    - pipeline: start it only if that lag is <= max_lag.
-    - conventional: with frozen weights of round r = v // G, generate exactly the B*G samples of
-      round r, then wait for the trainer's G steps.
+    Groups are numbered globally and dealt to the actors by index: actor a's k-th group has
+    index g = k * num_actors + a. With K = batch_size // group_size groups per optimizer step,
+    group g is expected to be trained at step g // K, so started under weights of version v its
+    first token has lag g // K - v. (The trainer takes groups in arrival order: a group whose
+    generation runs long is trained later, and dropped by the trainer's filter if that makes
+    it too stale.)
+    - pipeline: start group g only if g // K - v <= max_lag. Over all actors, exactly the
+      groups of steps up to v + max_lag are admitted, whatever each actor's pace.
+    - conventional: with the frozen weights of round r = v // C (C = conventional_g), start
+      exactly the groups of round r's C steps, then wait for the trainer's C steps.
+    A group the actor drops (failed verification) gives its index back and the actor's next
+    group takes it, so the trainer's batches stay whole. (Groups the trainer drops as stale
+    do not come back: their steps take later groups.)
     """
 
     batch_size: int
+    group_size: int
     max_lag: int
     num_actors: int = 1
+    actor_id: int = 0
     conventional_g: int = 0  # 0: pipeline mode
 
-    def may_start(self, started: int, n: int, version: int) -> bool:
-        # Each actor sees only its own count; it assumes the others keep the same pace.
-        last_index = (started + n) * self.num_actors - 1
+    def expected_step(self, local_index: int) -> int:
+        """The optimizer step that trains this actor's group `local_index`, absent drops."""
+        global_index = local_index * self.num_actors + self.actor_id
+        return global_index // (self.batch_size // self.group_size)
+
+    def may_start(self, local_index: int, version: int) -> bool:
+        step = self.expected_step(local_index)
         if self.conventional_g:
-            round_size = self.batch_size * self.conventional_g
-            return last_index < (version // self.conventional_g + 1) * round_size
-        return last_index // self.batch_size - version <= self.max_lag
+            return step < (version // self.conventional_g + 1) * self.conventional_g
+        return step - version <= self.max_lag
 
 
 @dataclass
 class _PendingGroup:
+    """A started group, in the engine or waiting for its scores: it holds its index."""
+
     problem: Problem
+    index: int  # this actor's group index (see Schedule)
     outputs: list[GenerationOutput] = field(default_factory=list)
 
 
@@ -67,6 +86,12 @@ class ActorStats:
     total_update_pause_s: float = 0.0
     groups_published: int = 0
     skipped: Counter = field(default_factory=Counter)
+    skipped_ids: defaultdict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+
+    def skip(self, reason: str, problem_id: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.skipped_ids[reason]) < MAX_SKIPPED_IDS:
+            self.skipped_ids[reason].add(problem_id)
 
     def snapshot(self, version: int) -> dict[str, float]:
         elapsed = max(time.monotonic() - self.started_at, 1e-9)
@@ -82,32 +107,6 @@ class ActorStats:
         }
 
 
-class Scorer:
-    """Runs a task's verifier with a deadline: one that raises or hangs is a counted skip."""
-
-    def __init__(self, task: Task, timeout_s: float) -> None:
-        self.task = task
-        self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="verifier")
-
-    def score(self, problem: Problem, completion: str) -> tuple[Score | None, str]:
-        future = self._pool.submit(self.task.score, problem, completion)
-        try:
-            return future.result(timeout=self.timeout_s), ""
-        except FutureTimeout:
-            # The hung thread cannot be killed; give it up with its pool so later scores run.
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="verifier")
-            return None, "verifier_timeout"
-        except Exception as exc:  # noqa: BLE001 - any verifier failure is a counted skip
-            log.warning("verifier of task %s raised on problem %s: %r",
-                        self.task.name, problem.problem_id, exc)
-            return None, "verifier_error"
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 class Actor:
     def __init__(
         self,
@@ -117,33 +116,37 @@ class Actor:
         encode: Callable[[str], list[int]],
         decode: Callable[[list[int]], str],
         sampling: SamplingParams,
-        group_size: int,
         schedule: Schedule,
         writer: StreamWriter,
         receiver: WeightReceiver | None,
         should_stop: Callable[[], bool],
+        max_seq_len: int,
         actor_id: int = 0,
         seed: int = 0,
         verifier_timeout_s: float = 10.0,
+        verifier_workers: int = 2,
     ) -> None:
         self.engine = engine
         self.task = task
         self.encode = encode
         self.decode = decode
         self.sampling = sampling
-        self.group_size = group_size
+        self.group_size = schedule.group_size
         self.schedule = schedule
         self.writer = writer
         self.receiver = receiver
         self.should_stop = should_stop
         self.actor_id = actor_id
         self.rng = random.Random(seed * 1000 + actor_id)
-        self.scorer = Scorer(task, verifier_timeout_s)
+        self.max_seq_len = max_seq_len
+        self.max_prompt_tokens = max_seq_len - sampling.max_new_tokens
+        self.scorer = Scorer(task, verifier_timeout_s, verifier_workers)
         self.stats = ActorStats()
-        self.started = 0  # samples started by this actor
-        self.in_flight = 0  # requests submitted and not yet finished
-        self._groups: dict[str, _PendingGroup] = {}
-        self._next_group = 0
+        self.in_flight = 0  # requests submitted to the engine and not yet finished
+        self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
+        self._next_group = 0  # for unique group ids
+        self._next_index = 0  # next never-used group index
+        self._free_indices: list[int] = []  # heap: indices given back by dropped groups
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_groups: int | None = None) -> None:
@@ -152,17 +155,20 @@ class Actor:
                 if max_groups is not None and self.stats.groups_published >= max_groups:
                     break
                 self.maybe_update_weights()
+                for scored in self.scorer.poll():
+                    self.publish(scored)
                 self.fill()
                 if self.in_flight == 0:
-                    # Blocked by the staleness bound: wait for the trainer's next weights.
+                    # Blocked by the staleness bound: wait for scores or the trainer's weights.
                     t0 = time.monotonic()
-                    time.sleep(0.005)
+                    self.scorer.wait(0.005)
                     self.stats.idle_s += time.monotonic() - t0
                     continue
                 for out in self.engine.step():
                     self.on_finished(out)
         finally:
             self.scorer.close()
+            self._log_skips()
 
     def maybe_update_weights(self) -> None:
         if self.receiver is None:
@@ -170,32 +176,73 @@ class Actor:
         if self.receiver.poll() is None:
             return
         t0 = time.monotonic()
-        version = self.receiver.receive_into(self.engine.named_weights())
-        self.engine.set_version(version)
+        self.engine.receive_weights(self.receiver.receive_into)
         pause = time.monotonic() - t0
         self.stats.weight_updates += 1
         self.stats.last_update_pause_s = pause
         self.stats.total_update_pause_s += pause
 
     def fill(self) -> None:
-        n = self.group_size
-        while self.in_flight + n <= self.engine.capacity and self.schedule.may_start(
-            self.started, n, self.engine.version
+        long_in_a_row = 0
+        while self.in_flight + self.group_size <= self.engine.capacity and self.schedule.may_start(
+            self._peek_index(), self.engine.version
         ):
-            self.start_group()
+            if self.start_group():
+                long_in_a_row = 0
+                continue
+            long_in_a_row += 1
+            if long_in_a_row == MAX_LONG_PROMPTS_IN_A_ROW:
+                raise RuntimeError(
+                    f"{long_in_a_row} prompts in a row were longer than the "
+                    f"{self.max_prompt_tokens} tokens that fit (engine.max_seq_len="
+                    f"{self.max_seq_len} - engine.max_new_tokens={self.sampling.max_new_tokens}): "
+                    "raise engine.max_seq_len or lower engine.max_new_tokens"
+                )
 
-    def start_group(self) -> None:
+    def start_group(self) -> bool:
+        """Start a group on the next admitted index; False (counted, no index used) if the
+        prompt drawn does not fit in the engine."""
         problem = self.task.sample_problem(self.rng)
+        prompt_ids = self.encode(problem.prompt)
+        if len(prompt_ids) > self.max_prompt_tokens:
+            self._skip_long_prompt(problem, len(prompt_ids))
+            return False
         group_id = f"a{self.actor_id}-g{self._next_group}"
         self._next_group += 1
-        prompt_ids = self.encode(problem.prompt)
-        self._groups[group_id] = _PendingGroup(problem)
+        self._groups[group_id] = _PendingGroup(problem, self._take_index())
         for i in range(self.group_size):
             self.engine.add_request(
                 GenerationRequest(f"{group_id}-{i}", list(prompt_ids), self.sampling)
             )
-        self.started += self.group_size
         self.in_flight += self.group_size
+        return True
+
+    def _peek_index(self) -> int:
+        """The index the next group takes: the lowest one given back, else a new one."""
+        return self._free_indices[0] if self._free_indices else self._next_index
+
+    def _take_index(self) -> int:
+        if self._free_indices:
+            return heapq.heappop(self._free_indices)
+        self._next_index += 1
+        return self._next_index - 1
+
+    def _skip_long_prompt(self, problem: Problem, n_tokens: int) -> None:
+        self.stats.skip("prompt_too_long", problem.problem_id)
+        if self.stats.skipped["prompt_too_long"] == 1:
+            log.warning(
+                "prompt %s is too long: %d tokens, at most %d fit (engine.max_seq_len=%d - "
+                "engine.max_new_tokens=%d). It and every other such prompt are skipped and "
+                "counted (skipped_prompt_too_long); raise engine.max_seq_len or lower "
+                "engine.max_new_tokens to train on them.",
+                problem.problem_id, n_tokens, self.max_prompt_tokens, self.max_seq_len,
+                self.sampling.max_new_tokens,
+            )
+
+    def _log_skips(self) -> None:
+        for reason, ids in self.stats.skipped_ids.items():
+            log.warning("skipped %d %s, problem ids (up to %d): %s", self.stats.skipped[reason],
+                        reason, MAX_SKIPPED_IDS, sorted(ids))
 
     def on_finished(self, out: GenerationOutput) -> None:
         self.in_flight -= 1
@@ -204,44 +251,47 @@ class Actor:
         pending = self._groups[group_id]
         pending.outputs.append(out)
         if len(pending.outputs) == self.group_size:
-            del self._groups[group_id]
-            self.publish(group_id, pending)
+            # Still in _groups, holding its index, until its scores are in.
+            pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+            completions = [self.decode(_completion_ids(o)) for o in pending.outputs]
+            self.scorer.submit(group_id, pending.problem, completions)
 
-    def publish(self, group_id: str, pending: _PendingGroup) -> None:
-        samples = []
-        for out in sorted(pending.outputs, key=lambda o: o.request_id):
-            completion_ids = out.token_ids
-            if out.finish_reason == "stop":
-                completion_ids = completion_ids[:-1]
-            score, reason = self.scorer.score(pending.problem, self.decode(completion_ids))
-            if score is None:
-                # The group's baseline needs every attempt: drop the whole group, counted, and
-                # give its places back so a replacement keeps the trainer's batches whole.
-                self.stats.skipped[reason] += 1
-                self.started -= self.group_size
-                return
-            samples.append(
-                Sample(
-                    prompt_ids=out.prompt_ids,
-                    token_ids=out.token_ids,
-                    logprobs=out.logprobs,
-                    versions=out.versions,
-                    reward=score.reward,
-                    success=score.success,
-                    finish_reason=out.finish_reason,
-                    group_id=group_id,
-                    actor_id=self.actor_id,
-                )
+    def publish(self, scored: Scored) -> None:
+        pending = self._groups.pop(scored.key)
+        if scored.scores is None:
+            # The group's baseline needs every attempt: drop the whole group, counted, and
+            # give its index back so a replacement keeps the trainer's batches whole.
+            self.stats.skip(scored.reason, pending.problem.problem_id)
+            heapq.heappush(self._free_indices, pending.index)
+            return
+        samples = [
+            Sample(
+                prompt_ids=out.prompt_ids,
+                token_ids=out.token_ids,
+                logprobs=out.logprobs,
+                versions=out.versions,
+                reward=score.reward,
+                success=score.success,
+                finish_reason=out.finish_reason,
+                group_id=scored.key,
+                actor_id=self.actor_id,
             )
+            for out, score in zip(pending.outputs, scored.scores)
+        ]
         self.stats.groups_published += 1
         group = Group(
-            group_id=group_id,
+            group_id=scored.key,
             prompt=pending.problem.prompt,
             samples=samples,
             actor_id=self.actor_id,
             actor_stats=self.stats.snapshot(self.engine.version),
         )
         self.writer.write(group.to_dict())
+
+
+def _completion_ids(out: GenerationOutput) -> list[int]:
+    """The tokens the verifier reads: without the stop token the engine includes."""
+    return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
 
 
 def sampling_from_config(engine_cfg: Any, stop_token_ids: tuple[int, ...]) -> SamplingParams:
@@ -258,7 +308,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     import torch
 
     from pipelinerl.engine import make_engine
-    from pipelinerl.models.hf import load_tokenizer
+    from pipelinerl.models.hf import encode_prompt, load_tokenizer
     from pipelinerl.roles import open_control_reader, open_rollout_writer, open_weight_receiver
     from pipelinerl.tasks import make_task
 
@@ -285,17 +335,25 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     actor = Actor(
         engine=engine,
         task=make_task(cfg.task.name, cfg.task.params),
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         sampling=sampling_from_config(cfg.engine, (tokenizer.eos_token_id,)),
-        group_size=cfg.actor.group_size,
-        schedule=Schedule(cfg.trainer.batch_size, cfg.actor.max_lag, cfg.actor.num_actors, mode_g),
+        schedule=Schedule(
+            batch_size=cfg.trainer.batch_size,
+            group_size=cfg.actor.group_size,
+            max_lag=cfg.actor.max_lag,
+            num_actors=cfg.actor.num_actors,
+            actor_id=actor_id,
+            conventional_g=mode_g,
+        ),
         writer=writer,
         receiver=receiver,
         should_stop=should_stop,
+        max_seq_len=cfg.engine.max_seq_len,
         actor_id=actor_id,
         seed=cfg.actor.seed + cfg.seed,
         verifier_timeout_s=cfg.actor.verifier_timeout_s,
+        verifier_workers=cfg.actor.verifier_workers,
     )
     try:
         actor.run()

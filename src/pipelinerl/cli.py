@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         from pipelinerl.launch import launch
 
         return launch(cfg, overwrite=args.overwrite)
+    if not cfg.run_id:
+        from pipelinerl.roles import MISSING_RUN_ID
+
+        print(f"pipelinerl {args.command}: {MISSING_RUN_ID}", file=sys.stderr)
+        return 2
     if args.command == "trainer":
         from pipelinerl.trainer import run_trainer
 

@@ -29,7 +29,11 @@ class WarmStartConfig(_Section):
     enabled: bool = True
     steps: int = Field(default=0, ge=0, description="0: the warm-start module's default")
     step_error_prob: float = Field(default=-1.0, le=1.0, description="<0: module default")
-    cache_dir: str = ".cache/pipelinerl/warmstart"
+    cache_dir: str = Field(
+        default="",
+        description="empty: warmstart/ in $PIPELINERL_CACHE, else $XDG_CACHE_HOME/pipelinerl, "
+        "else ~/.cache/pipelinerl (the same from every working directory)",
+    )
     seed: int = 0  # apart from the run's seed, so runs of several seeds share a starting model
 
 
@@ -59,7 +63,10 @@ class ActorConfig(_Section):
     max_lag: int = Field(default=4, ge=0)
     num_actors: int = Field(default=1, gt=0)
     threads: int = Field(default=1, gt=0, description="torch threads for the actor process")
+    # Completions are verified in worker processes, off the decode path; one that runs past
+    # the deadline is killed and its group dropped (counted as skipped_verifier_timeout).
     verifier_timeout_s: float = Field(default=10.0, gt=0)
+    verifier_workers: int = Field(default=2, gt=0, description="verifier processes per actor")
     seed: int = 0
 
 
@@ -121,6 +128,10 @@ class MetricsConfig(_Section):
 class Config(_Section):
     name: str = "run"
     output_dir: str = "runs"
+    # Namespaces the run's streams, so a re-run under the same name never reads this one's
+    # records. `pipelinerl train` sets a fresh one; roles started by hand share one
+    # (docs/multinode.md).
+    run_id: str = Field(default="", pattern=r"^[A-Za-z0-9_.-]*$")
     mode: Literal["pipeline", "conventional"] = "pipeline"
     # conventional: generate batch_size * conventional_g samples with frozen weights, then take
     # conventional_g optimizer steps on them (the paper's baseline; G = 1 is synchronous RL).
@@ -147,6 +158,19 @@ class Config(_Section):
             raise ValueError(
                 f"engine.max_new_tokens ({self.engine.max_new_tokens}) must be below "
                 f"engine.max_seq_len ({self.engine.max_seq_len}) to leave room for the prompt"
+            )
+        # Configurations whose actors could never admit what the trainer waits for.
+        if self.engine.capacity < self.actor.group_size:
+            raise ValueError(
+                f"engine.capacity ({self.engine.capacity}) must be at least actor.group_size "
+                f"({self.actor.group_size}): a group's attempts start together, so none would start"
+            )
+        if self.mode == "pipeline" and self.trainer.publish_every > self.actor.max_lag + 1:
+            raise ValueError(
+                f"trainer.publish_every ({self.trainer.publish_every}) must be at most "
+                f"actor.max_lag + 1 ({self.actor.max_lag + 1}): actors admit groups at most "
+                "max_lag steps past the weights they hold, so the trainer would wait at step "
+                "max_lag + 1 for groups that need weights it publishes only later"
             )
         return self
 

@@ -1,26 +1,34 @@
 """Starts and supervises the roles of one run as separate OS processes.
 
-If one role dies, every other is stopped and the dead one's error is shown; Ctrl-C stops all
-cleanly. Each role is also a command of its own (`pipelinerl trainer|actor`), which is how a
-multi-machine run starts them (docs/multinode.md).
+If one role dies, every other is stopped and the dead one's error is shown. Ctrl-C (or SIGTERM)
+stops all cleanly: each role is asked to stop and given time to close its streams; a second
+Ctrl-C kills them at once. Each role is also a command of its own (`pipelinerl trainer|actor`),
+which is how a multi-machine run starts them (docs/multinode.md).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 from pipelinerl.config import Config, save_config
 
 ERROR_FILE = "{role}.error"
-# How long the trainer may keep running (saving its final weights) after every actor left.
+# How long the trainer may keep running after every actor left. Actors leave on the trainer's
+# stop record, which it writes once its final weights are saved: this covers closing channels.
 ACTORS_GONE_GRACE_S = 120.0
+ACTORS_LEAVE_S = 30.0  # for actors to see the stop record and leave on their own
+STOP_GRACE_S = 10.0  # for a role to stop on SIGTERM before it is killed
+POLL_S = 0.1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass
@@ -31,7 +39,7 @@ class RoleProcess:
     log_file: IO | None = None
 
 
-def role_env(threads: int) -> dict[str, str]:
+def role_env(threads: int, progress: bool = True) -> dict[str, str]:
     # Each role gets its own share of the cores: two roles with two threads each collapse
     # throughput on a 2-core machine (DESIGN.md).
     env = dict(os.environ)
@@ -39,11 +47,23 @@ def role_env(threads: int) -> dict[str, str]:
     env["MKL_NUM_THREADS"] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    if not progress:  # metrics.progress=false: transformers' bars and notices stay out of logs
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     return env
 
 
+def new_run_id() -> str:
+    """Sortable by start time, unique across launches (docs/multinode.md)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
 def prepare_run(cfg: Config, overwrite: bool) -> Config:
-    """Create the run directory, resolve the starting model, write the resolved config."""
+    """Create the run directory, resolve the starting model and the run id, write the resolved
+    config every role reads."""
+    cfg = cfg.model_copy(deep=True)
+    if not cfg.run_id:
+        cfg.run_id = new_run_id()
     run_dir = cfg.run_dir
     if (run_dir / "metrics.jsonl").exists() and not overwrite:
         raise SystemExit(
@@ -56,7 +76,6 @@ def prepare_run(cfg: Config, overwrite: bool) -> Config:
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
-        cfg = cfg.model_copy(deep=True)
         cfg.model.path = str(starting_model(cfg))
     if cfg.sync.backend == "broadcast" and not cfg.sync.init_method:
         cfg.sync.init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -69,7 +88,7 @@ def starting_model(cfg: Config) -> Path:
     from dataclasses import replace
 
     from pipelinerl.tasks import make_task
-    from pipelinerl.warmstart import WarmStartConfig, warm_start
+    from pipelinerl.warmstart import WarmStartConfig, resolve_cache_dir, warm_start
 
     if not cfg.warmstart.enabled:
         raise SystemExit("model.path is empty and warmstart.enabled=false: give model.path=DIR "
@@ -83,9 +102,10 @@ def starting_model(cfg: Config) -> Path:
     if not hasattr(task, "demonstration"):
         raise SystemExit(f"task {cfg.task.name!r} has no demonstrations to warm-start from: "
                          "give model.path=DIR")
-    print(f"warm-start: building the starting policy (cached in {cfg.warmstart.cache_dir})",
+    cache_dir = resolve_cache_dir(cfg.warmstart.cache_dir)
+    print(f"warm-start: starting policy from {cache_dir} (built there on first use)",
           file=sys.stderr)
-    return warm_start(task, ws, cache_dir=cfg.warmstart.cache_dir, progress=cfg.metrics.progress)
+    return warm_start(task, ws, cache_dir=cache_dir, progress=cfg.metrics.progress)
 
 
 def _free_port() -> int:
@@ -105,8 +125,11 @@ def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) 
         command = [sys.executable, "-m", "pipelinerl.cli", *args]
     proc = subprocess.Popen(
         command,
-        env=role_env(threads),
+        env=role_env(threads, progress=cfg.metrics.progress),
         preexec_fn=_die_with_parent,
+        # A session of its own: a terminal's Ctrl-C reaches only the launcher, which stops the
+        # roles in order, and signalling the role's group reaches its children (torchrun's).
+        start_new_session=True,
         stdout=log_file,
         stderr=subprocess.STDOUT if to_log else None,
     )
@@ -114,7 +137,8 @@ def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) 
 
 
 def _die_with_parent() -> None:
-    """Linux: a role gets SIGTERM when the launcher dies, even by SIGKILL: no orphans."""
+    """Linux: a role (or the run's redis) gets SIGTERM when the launcher dies, even by SIGKILL:
+    no orphans."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -132,101 +156,208 @@ def _failure_report(rp: RoleProcess, run_dir: Path) -> str:
     return "(no output captured; see above)"
 
 
-def _stop_all(procs: list[RoleProcess], grace_s: float = 10.0) -> None:
-    for rp in procs:
-        if rp.proc.poll() is None:
-            rp.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for rp in procs:
-        remaining = max(deadline - time.monotonic(), 0.1)
+class StopSignals:
+    """While installed, Ctrl-C and SIGTERM record themselves; the launcher's loop acts on them.
+
+    Raising KeyboardInterrupt at an arbitrary point instead could land inside `Popen.poll()`
+    and leave subprocess's internal wait lock held, after which `Popen.wait()` blocks for ever
+    (or inside an import, which some libraries then re-raise as another error).
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._interrupting = False
+        self._previous = {sig: signal.signal(sig, self._record) for sig in STOP_SIGNALS}
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received.append(signum)  # little else: the handler may interrupt any line
+        if self._interrupting and len(self.received) == 1:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Within, the first signal also raises KeyboardInterrupt: for long computation
+        before any role runs (the warm start), which has no loop to check the flag."""
+        if self.stop:
+            raise KeyboardInterrupt
+        self._interrupting = True
         try:
-            rp.proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            rp.proc.kill()
-            rp.proc.wait()
+            yield
+        finally:
+            self._interrupting = False
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def stop(self) -> bool:
+        return bool(self.received)
+
+    @property
+    def force(self) -> bool:
+        """A second signal: kill every role at once."""
+        return len(self.received) > 1
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.received[0] if self.received else signal.SIGINT)
+
+
+def _signal_role(rp: RoleProcess, sig: int) -> None:
+    # Only while the role is unreaped, so its process group id cannot have been reused.
+    if rp.proc.poll() is None:
+        try:
+            os.killpg(rp.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _any_running(procs: list[RoleProcess]) -> bool:
+    return any(rp.proc.poll() is None for rp in procs)
+
+
+def _stop_all(procs: list[RoleProcess], signals: StopSignals) -> None:
+    """SIGTERM every role, wait up to STOP_GRACE_S (a second Ctrl-C cuts it short), SIGKILL."""
     for rp in procs:
+        _signal_role(rp, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while _any_running(procs) and time.monotonic() < deadline and not signals.force:
+        time.sleep(POLL_S / 2)
+    if signals.force and _any_running(procs):
+        print("second interrupt: killing every role", file=sys.stderr)
+    for rp in procs:
+        _signal_role(rp, signal.SIGKILL)
+        rp.proc.wait()
         if rp.log_file is not None:
             rp.log_file.close()
 
 
 def launch(cfg: Config, overwrite: bool = False) -> int:
-    """Run a whole job on this machine; returns the process exit code."""
-    previous = signal.getsignal(signal.SIGTERM)
-    install_role_signal_handlers()  # SIGTERM stops every role, like Ctrl-C
+    """Run a whole job on this machine; returns the process exit code.
+
+    After a stop signal the handlers stay installed: the process is exiting, and a further
+    Ctrl-C must not turn into a traceback on its way out.
+    """
+    signals = StopSignals()
     try:
-        return _launch(cfg, overwrite)
+        try:
+            with signals.interrupting():  # the warm start, the model check's imports
+                cfg = prepare_run(cfg, overwrite)
+                check_model(cfg)
+        except BaseException:
+            if not signals.stop:
+                raise
+            # No role was started. Not only KeyboardInterrupt: a library interrupted in an
+            # import may re-raise it as another error.
+            print("\ninterrupted", file=sys.stderr)
+            return signals.exit_code
+        return _run(cfg, signals)  # starts no role once a stop signal came
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not signals.stop:
+            signals.restore()
 
 
-def _launch(cfg: Config, overwrite: bool) -> int:
-    cfg = prepare_run(cfg, overwrite)
+def check_model(cfg: Config) -> None:
+    """Refuse, before any role starts, a model that the actor's engine would refuse later
+    (an unsupported family, or a feature the torch engine lacks)."""
+    from pipelinerl.models.hf import check_engine_model
+
+    try:
+        check_engine_model(cfg.model.path, cfg.engine.backend, cfg.engine.max_seq_len)
+    except ValueError as e:
+        raise SystemExit(f"model.path={cfg.model.path}: {e}") from e
+
+
+def _run(cfg: Config, signals: StopSignals) -> int:
     run_dir = cfg.run_dir
     config_path = str(run_dir / "config.yaml")
+    procs: list[RoleProcess] = []
     redis = None
-    if cfg.stream.backend == "redis" and not cfg.stream.redis_url:
-        from pipelinerl.streams.redis_server import start_redis_server
+    try:
+        if cfg.stream.backend == "redis" and not cfg.stream.redis_url:
+            from pipelinerl.streams.redis_server import start_redis_server
 
-        redis = start_redis_server(dir=run_dir / "redis")
-        cfg.stream.redis_url = redis.url
-        save_config(cfg, run_dir / "config.yaml")
+            redis = start_redis_server(dir=run_dir / "redis", preexec_fn=_die_with_parent)
+            cfg.stream.redis_url = redis.url
+            save_config(cfg, run_dir / "config.yaml")
+        for role, args, threads, to_log in _role_specs(cfg, config_path):
+            if signals.stop:
+                break
+            procs.append(_spawn(role, args, cfg, threads, to_log))
+        code = None if signals.stop else _supervise(procs[0], procs[1:], signals, run_dir)
+        if code is None:
+            print("\ninterrupted: stopping all roles (Ctrl-C again to kill them)", file=sys.stderr)
+            return signals.exit_code
+        return code
+    finally:
+        _stop_all(procs, signals)  # a no-op for roles already stopped
+        if redis is not None:
+            redis.stop()
 
+
+def _role_specs(cfg: Config, config_path: str) -> list[tuple[str, list[str], int, bool]]:
+    """(role, command arguments, threads, output to a log file) for every role to start."""
     trainer_cmd = ["trainer", config_path]
     if cfg.trainer.num_procs > 1:
         # DDP ranks via torchrun; rank 0 reads the stream, shards groups, publishes weights.
         trainer_cmd = ["torchrun", "--standalone", f"--nproc-per-node={cfg.trainer.num_procs}",
                        "-m", "pipelinerl.cli", *trainer_cmd]
-    procs = [_spawn("trainer", trainer_cmd, cfg, cfg.trainer.threads, to_log=False)]
+    specs = [("trainer", trainer_cmd, cfg.trainer.threads, False)]
     for i in range(cfg.actor.num_actors):
-        procs.append(
-            _spawn(f"actor_{i}", ["actor", config_path, "--actor-id", str(i)], cfg,
-                   cfg.actor.threads, to_log=True)
-        )
-    trainer, actors = procs[0], procs[1:]
+        specs.append((f"actor_{i}", ["actor", config_path, "--actor-id", str(i)],
+                      cfg.actor.threads, True))
+    return specs
+
+
+def _supervise(trainer: RoleProcess, actors: list[RoleProcess], signals: StopSignals,
+               run_dir: Path) -> int | None:
+    """The run's exit code once it ends by itself, or None once a stop signal arrives."""
+    procs = [trainer, *actors]
     actors_gone_at: float | None = None
-    try:
-        while True:
-            time.sleep(0.2)
-            failed = next((rp for rp in procs if rp.proc.poll() not in (None, 0)), None)
-            if failed is not None:
-                _stop_all(procs)
-                print(f"\n{failed.role} failed with exit code {failed.proc.returncode}:\n"
-                      f"{_failure_report(failed, run_dir)}", file=sys.stderr)
+    while not signals.stop:
+        failed = next((rp for rp in procs if rp.proc.poll() not in (None, 0)), None)
+        if failed is not None:
+            _stop_all(procs, signals)
+            print(f"\n{failed.role} failed with exit code {failed.proc.returncode}:\n"
+                  f"{_failure_report(failed, run_dir)}", file=sys.stderr)
+            return 1
+        if trainer.proc.poll() == 0:
+            # The final weights are saved; actors see the stop record and leave on their own.
+            _wait_for_exit(actors, ACTORS_LEAVE_S, signals)
+            _stop_all(procs, signals)
+            print(f"run finished: {run_dir}", file=sys.stderr)
+            return 0
+        if all(rp.proc.poll() == 0 for rp in actors):
+            actors_gone_at = actors_gone_at or time.monotonic()
+            if time.monotonic() - actors_gone_at > ACTORS_GONE_GRACE_S:
+                _stop_all(procs, signals)
+                print("\nevery actor exited while the trainer was still running",
+                      file=sys.stderr)
                 return 1
-            if trainer.proc.poll() == 0:
-                # Actors see the trainer's stop record and leave on their own.
-                _wait_then_stop(actors, grace_s=30.0)
-                print(f"run finished: {run_dir}", file=sys.stderr)
-                return 0
-            # Actors leave cleanly once the trainer writes its stop record, a moment before
-            # the trainer saves and exits; only a trainer left alone for long is an error.
-            if all(rp.proc.poll() == 0 for rp in actors):
-                actors_gone_at = actors_gone_at or time.monotonic()
-                if time.monotonic() - actors_gone_at > ACTORS_GONE_GRACE_S:
-                    _stop_all(procs)
-                    print("\nevery actor exited while the trainer was still running",
-                          file=sys.stderr)
-                    return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping all roles", file=sys.stderr)
-        _stop_all(procs)
-        return 130
-    finally:
-        if redis is not None:
-            redis.stop()
+        time.sleep(POLL_S)
+    return None
 
 
-def _wait_then_stop(procs: list[RoleProcess], grace_s: float) -> None:
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(rp.proc.poll() is None for rp in procs):
-        time.sleep(0.1)
-    _stop_all(procs)
+def _wait_for_exit(procs: list[RoleProcess], timeout_s: float, signals: StopSignals) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _any_running(procs) and time.monotonic() < deadline and not signals.stop:
+        time.sleep(POLL_S)
 
 
 def install_role_signal_handlers() -> None:
-    """SIGTERM from the launcher unwinds the role like Ctrl-C, so `finally` blocks run."""
+    """In a role: the first Ctrl-C or SIGTERM unwinds it like Ctrl-C, so `finally` blocks run.
 
-    def _raise(signum: int, frame: object) -> None:
+    A later SIGTERM (a terminal's Ctrl-C and a scheduler's SIGTERM often both arrive) is then
+    ignored, so it cannot cut that cleanup short; a cleanup that hangs is the launcher's to
+    kill. A second Ctrl-C still interrupts it, as a person typing it expects.
+    """
+
+    def _first(signum: int, frame: object) -> None:
+        # A no-op handler, not SIG_IGN: that would survive exec into processes started later.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _raise)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _first)

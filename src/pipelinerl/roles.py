@@ -12,9 +12,20 @@ from pipelinerl.sync.base import WeightReceiver, WeightSender
 ROLLOUTS = "rollouts"
 CONTROL = "control"
 
+MISSING_RUN_ID = (
+    "run_id is empty: every role of one run needs the same run_id, and each run a new one "
+    "(`pipelinerl train` sets it; by hand pass e.g. run_id=$SLURM_JOB_ID to every role, "
+    "see docs/multinode.md)"
+)
+
 
 def _locations(cfg: Config) -> dict[str, str]:
-    return {"root": str(cfg.run_dir / "streams"), "url": cfg.stream.redis_url, "run": cfg.name}
+    # Per run id, not per name: a re-run under the same name (same redis, same run directory)
+    # must not read the previous run's rollouts or its stop record.
+    if not cfg.run_id:
+        raise ValueError(MISSING_RUN_ID)
+    return {"root": str(cfg.run_dir / "streams" / cfg.run_id), "url": cfg.stream.redis_url,
+            "run": f"{cfg.name}:{cfg.run_id}"}
 
 
 def open_rollout_writer(cfg: Config, actor_id: int) -> Writer:
@@ -32,6 +43,16 @@ def open_control_writer(cfg: Config) -> Writer:
 
 def open_control_reader(cfg: Config) -> Reader:
     return open_reader(cfg.stream.backend, stream=CONTROL, **_locations(cfg))
+
+
+def check_run_id_unused(cfg: Config) -> None:
+    """Refuse a run id whose control stream already holds a stop record: a finished run's."""
+    with open_control_reader(cfg) as control:
+        if control.read(max_count=1, timeout_s=0.0):
+            raise RuntimeError(
+                f"run_id {cfg.run_id!r} of run {cfg.name!r} already finished (its stop record is "
+                "in the control stream): give every role of this run a new run_id"
+            )
 
 
 def _channel_id(cfg: Config) -> str:

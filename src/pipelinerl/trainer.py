@@ -14,6 +14,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchSource:
-    """Pulls whole groups from the stream; drops (and counts) groups beyond the lag bound."""
+    """Pulls whole groups from the stream; drops (and counts) groups beyond the lag bound and
+    groups of negative lag (another run's)."""
 
     reader: StreamReader
     group_size: int
@@ -58,6 +60,20 @@ class BatchSource:
             self.actor_stats[group.actor_id] = group.actor_stats
             self.buffer.append(group)
 
+    def _drop_reason(self, group: Group, step: int) -> str | None:
+        newest = max(max(s.versions) for s in group.samples)
+        if newest > step:
+            # Weights the trainer has not produced yet: another run's group (a stream reused
+            # by mistake), however small its lag looks.
+            if not self.dropped["negative_lag"]:
+                log.warning("dropping group %s: it holds tokens of version %d at trainer step %d, "
+                            "so it comes from another run; is run_id shared?",
+                            group.group_id, newest, step)
+            return "negative_lag"
+        if self.max_lag is not None and step - _oldest_version(group) > self.max_lag:
+            return "stale"
+        return None
+
     def take_dropped_ids(self) -> list[str]:
         ids, self.dropped_ids = self.dropped_ids, []
         return ids
@@ -69,8 +85,9 @@ class BatchSource:
         while len(batch) < n_groups:
             while self.buffer and len(batch) < n_groups:
                 group = self.buffer.pop(0)
-                if self.max_lag is not None and step - _oldest_version(group) > self.max_lag:
-                    self.dropped["stale"] += 1
+                reason = self._drop_reason(group, step)
+                if reason is not None:
+                    self.dropped[reason] += 1
                     self.dropped_ids.append(group.group_id)
                     continue
                 batch.append(group)
@@ -238,10 +255,14 @@ def _out_of_time(cfg: Config, trainer: Trainer, rank: int, world: int) -> bool:
 
 
 def run_trainer(cfg: Config) -> None:
-    from pipelinerl.metrics.logger import MetricsLogger, read_metrics
-    from pipelinerl.metrics.plot import plot_run
-    from pipelinerl.models.hf import load_model, load_tokenizer, save_model
-    from pipelinerl.roles import open_control_writer, open_rollout_reader, open_weight_sender
+    from pipelinerl.metrics.logger import MetricsLogger, open_new_jsonl
+    from pipelinerl.models.hf import load_model
+    from pipelinerl.roles import (
+        check_run_id_unused,
+        open_control_writer,
+        open_rollout_reader,
+        open_weight_sender,
+    )
 
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.trainer.seed)
@@ -252,22 +273,26 @@ def run_trainer(cfg: Config) -> None:
                          f"cannot be split evenly over {world} trainer ranks")
     is_main = rank == 0
     run_dir = cfg.run_dir
+    logger = audit = None
+    if is_main:
+        # Refused before anything loads: a finished run's id, or another launch's files.
+        check_run_id_unused(cfg)
+        logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"))
+        audit = open_new_jsonl(run_dir / "trained.jsonl")
     model = load_model(cfg.model.path, dtype=torch.float32, device=device)
     model.train()
     wrapped: torch.nn.Module = model
     if world > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    source = sender = control = logger = None
+    source = sender = control = None
     if is_main:
         max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
         source = BatchSource(open_rollout_reader(cfg), cfg.actor.group_size, max_lag,
                              cfg.trainer.sample_timeout_s)
         sender = open_weight_sender(cfg)
         control = open_control_writer(cfg)
-        logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"))
     trainer = Trainer(cfg, wrapped, source, sender)
     batches = trainer.batches() if is_main else None
-    audit = (run_dir / "trained.jsonl").open("a", buffering=1) if is_main else None
     bar = tqdm(total=cfg.trainer.max_steps, desc="train", dynamic_ncols=True,
                disable=not (cfg.metrics.progress and is_main))
     try:
@@ -287,6 +312,10 @@ def run_trainer(cfg: Config) -> None:
             bar.set_postfix(reward=f"{record['reward']:.2f}", success=f"{record['success_ema']:.2f}",
                             ess=f"{record.get('ess', float('nan')):.3f}",
                             lag=f"{record.get('lag_mean', float('nan')):.2f}")
+        if is_main:
+            # Before the stop record: the actors, and after them the launcher, leave only once
+            # the final weights are on disk, so a slow save is never cut short.
+            _save_final(cfg, model, logger.path)
     finally:
         bar.close()
         if is_main:
@@ -298,9 +327,15 @@ def run_trainer(cfg: Config) -> None:
                 sender.close()
         if world > 1:
             dist.destroy_process_group()
-    if not is_main:
-        return
-    save_model(model, load_tokenizer(cfg.model.path), run_dir / "final")
+
+
+def _save_final(cfg: Config, model: torch.nn.Module, metrics_path: Path) -> None:
+    """The trained model as `final/` (atomically) and the metrics plot."""
+    from pipelinerl.metrics.logger import read_metrics
+    from pipelinerl.metrics.plot import plot_run
+    from pipelinerl.models.hf import load_tokenizer, save_model
+
+    final = save_model(model, load_tokenizer(cfg.model.path), cfg.run_dir / "final")
+    log.info("saved final weights to %s", final)
     if cfg.metrics.plot:
-        plot_run(read_metrics(logger.path), run_dir / "metrics.png", title=cfg.name)
-    log.info("saved final weights to %s", run_dir / "final")
+        plot_run(read_metrics(metrics_path), cfg.run_dir / "metrics.png", title=cfg.name)

@@ -18,6 +18,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
-from pipelinerl.models.hf import load_model, load_tokenizer, save_model
+from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
 from pipelinerl.tasks import DemonstrationTask, Problem
 
@@ -100,18 +102,34 @@ def _dir_fingerprint(path: str | Path) -> list[Any]:
     ]
 
 
+def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The absolute warm-start cache directory. Empty or None: `warmstart/` in the user's
+    cache ($PIPELINERL_CACHE, else $XDG_CACHE_HOME/pipelinerl, else ~/.cache/pipelinerl), the
+    same from every working directory, so a run started elsewhere finds the cached model.
+    A relative explicit path is taken against the working directory."""
+    if cache_dir:
+        return Path(cache_dir).expanduser().absolute()
+    if root := os.environ.get("PIPELINERL_CACHE"):
+        return Path(root).expanduser().absolute() / "warmstart"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says to ignore a relative XDG_CACHE_HOME.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "pipelinerl" / "warmstart"
+
+
 def warm_start(
     task: DemonstrationTask,
     cfg: WarmStartConfig = WarmStartConfig(),
-    cache_dir: str | Path = ".cache/warmstart",
+    cache_dir: str | Path | None = None,
     base_model_dir: str | Path | None = None,
     progress: bool = True,
 ) -> Path:
     """Return the directory of the warm-started model (HF format, tokenizer included),
     training it first unless the cache already holds it. `base_model_dir` replaces the
-    tiny model built for `task.alphabet`."""
+    tiny model built for `task.alphabet`; `cache_dir` as in `resolve_cache_dir`."""
     key = cache_key(task, cfg, base_model_dir)
-    out = Path(cache_dir) / f"{task.name}-{'base' if base_model_dir else cfg.preset}-{key}"
+    name = f"{task.name}-{'base' if base_model_dir else cfg.preset}-{key}"
+    out = resolve_cache_dir(cache_dir) / name
     if (out / MANIFEST).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +147,8 @@ def warm_start(
                 raise ValueError(
                     f"tokenizer of {str(base_model_dir)!r} has no eos token to end demos"
                 )
-            model = load_model(base_model_dir)
+            with quiet_transformers(not progress):
+                model = load_model(base_model_dir)
         else:
             tokenizer = build_char_tokenizer(task.alphabet, tmp)
             model = init_tiny_model(tokenizer, cfg.preset, cfg.seed)
@@ -145,7 +164,8 @@ def warm_start(
             if problems
         }
         eval_s = time.perf_counter() - t0
-        save_model(model, tokenizer, tmp)
+        with quiet_transformers(not progress):
+            save_model(model, tokenizer, tmp)
         manifest = {
             "key": key,
             "task": task.name,
@@ -171,6 +191,24 @@ def warm_start(
         torch.set_num_threads(prev_threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextmanager
+def quiet_transformers(quiet: bool = True) -> Iterator[None]:
+    """When `quiet`, inside: no transformers progress bars ("Loading weights", "Writing model
+    shards") and only its errors, so `progress=False` leaves a clean log; restored on exit."""
+    if not quiet:
+        yield
+        return
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _idle_cpus(window_s: float = 0.3) -> float | None:
@@ -221,7 +259,7 @@ def encode_demo(
     loss covers the completion and its EOS only. Prompt and completion are encoded
     separately, as the engine sees them."""
     problem = task.sample_problem(rng)
-    prompt = tokenizer.encode(problem.prompt, add_special_tokens=False)
+    prompt = encode_prompt(tokenizer, problem.prompt)
     completion = tokenizer.encode(
         task.demonstration(problem, rng, step_error_prob), add_special_tokens=False
     )
@@ -325,7 +363,7 @@ def sample_completions(
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch_size):
             enc = [
-                tokenizer.encode(p, add_special_tokens=False)
+                encode_prompt(tokenizer, p)
                 for p in prompts[start : start + batch_size]
             ]
             width = max(len(e) for e in enc)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import torch
 
 from pipelinerl.types import GenerationOutput, GenerationRequest
+
+# A weight receiver's `receive_into`: copy weights into the given tensors, return the version.
+ReceiveFn = Callable[[Mapping[str, torch.Tensor]], int]
 
 
 class Engine(Protocol):
     """A continuous-batching generator driven one decode step at a time by the actor.
 
     The actor adds requests whenever `num_active() < capacity`, calls `step()` in a loop, and
-    calls `load_weights()` between two steps: sequences in progress continue under the new
-    weights and stamp their later tokens with the new version.
+    updates weights (`load_weights` or `receive_weights`, from any thread) between two steps:
+    sequences in progress continue under the new weights and stamp their later tokens with
+    the new version.
     """
 
     version: int  # policy version of the weights currently loaded
@@ -34,11 +38,14 @@ class Engine(Protocol):
         """Replace the weights in place (Hugging Face parameter names) between two steps."""
         ...
 
-    def named_weights(self) -> Mapping[str, torch.Tensor]:
-        """The engine's parameters by Hugging Face name, for a weight receiver to copy into."""
-        ...
+    def receive_weights(self, receive: ReceiveFn) -> int:
+        """Run `receive(targets)` between two steps, excluding `step()` from any thread:
+        `receive` copies new weights into `targets` (tensors by Hugging Face name) in place
+        and returns their version, which the engine then carries; returns it too.
 
-    def set_version(self, version: int) -> None:
-        """Mark weights written directly into `named_weights()` as `version`, and apply any
-        post-update work (recompute the KV cache if configured)."""
+        Together with `load_weights` this is the only way weights enter an engine, so an
+        update from a receiver thread can never land in the middle of a decode step, and the
+        version changes together with the weights. A `receive` that raises may have copied
+        part of the weights: the engine then refuses to step.
+        """
         ...

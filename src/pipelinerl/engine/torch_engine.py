@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from pipelinerl.engine.sampling import truncation_threshold
+from pipelinerl.engine.base import ReceiveFn
 from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -46,31 +48,22 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of fp32 `logits` [n, V] with per-row parameters; return the
     tokens and their log-probs under the distribution actually sampled from: softmax of
-    logits / T restricted to the top-k, then top-p, set and renormalised. Rows with T = 0 are
-    greedy and report log_softmax of the raw logits. `truncate` is False when no row uses
-    top-k/top-p, which skips the vocabulary sort."""
+    logits / T restricted to the top-k, then top-p, set and renormalised (`engine.sampling`,
+    which the trainer applies too). Rows with T = 0 are greedy and report log_softmax of the
+    raw logits. `truncate` is False when no row uses top-k/top-p, which skips the vocabulary
+    sort."""
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    vocab = logits.shape[1]
-    order = None
     if truncate:
-        scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
-        rank = torch.arange(vocab, device=logits.device)
-        k = torch.where((top_k > 0) & ~greedy, top_k, vocab)
-        scaled = scaled.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
-        probs = scaled.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before
-        # it already does. Rows with top_p = 1 are exempt so cumsum rounding drops nothing.
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = (mass_before >= top_p.unsqueeze(1)) & ((top_p < 1) & ~greedy).unsqueeze(1)
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        threshold = truncation_threshold(
+            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p)
+        )
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     logprobs = scaled.log_softmax(dim=-1)
     # Exponential-race sampling (argmax p / E, E ~ Exp(1)) draws from p without a host sync.
     noise = torch.empty_like(logprobs).exponential_(generator=generator)
-    sampled = torch.where(greedy, logprobs.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
-    chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-    tokens = sampled if order is None else order.gather(1, sampled.unsqueeze(1)).squeeze(1)
-    return tokens, chosen
+    tokens = torch.where(greedy, logprobs.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 class TorchEngine:
@@ -88,7 +81,7 @@ class TorchEngine:
         seed: int = 0,
         max_prefill_tokens: int = 8192,
     ) -> None:
-        """`model` is a `CausalDecoder` or a HF `LlamaConfig`/`Qwen2Config` (random weights, to
+        """`model` is a `CausalDecoder` or a HF config of a supported family (random weights, to
         be replaced by `load_weights`). `max_prefill_tokens` bounds the padded tokens of one
         prefill forward (admissions and KV recomputes are split into such chunks)."""
         if capacity < 1 or max_seq_len < 2:
@@ -111,6 +104,7 @@ class TorchEngine:
         # step() and weight updates exclude each other, so an update from another thread lands
         # between two steps.
         self._lock = threading.Lock()
+        self._torn = False  # a weight update raised part-way through
 
         # Slot state. Slots 0..n-1 hold the active sequences, in no particular order.
         self._n = 0
@@ -142,7 +136,8 @@ class TorchEngine:
         seed: int = 0,
         max_prefill_tokens: int = 8192,
     ) -> "TorchEngine":
-        """Load a Llama/Qwen2 model from a local Hugging Face directory (safetensors weights)."""
+        """Load a model from a local Hugging Face directory (safetensors weights); see
+        `models.decoder.SUPPORTED_MODEL_TYPES` for the families."""
         return cls(
             load_pretrained(path, device=device, dtype=dtype),
             capacity=capacity,
@@ -191,6 +186,8 @@ class TorchEngine:
         """Admit queued requests into free slots (their first token comes from the prefill),
         then run one decode step over all active sequences; return those that finished."""
         with self._lock, torch.no_grad():
+            if self._torn:
+                raise RuntimeError("a weight update failed part-way: the engine holds a mix of two versions")
             finished: list[GenerationOutput] = []
             if self._queue and self._n < self._capacity:
                 start = self._n
@@ -203,18 +200,19 @@ class TorchEngine:
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         with self._lock:
-            self.model.load_hf_weights(weights)
+            self.model.load_hf_weights(weights)  # checks every name and shape before copying
             self._mark_updated(version)
 
-    def named_weights(self) -> Mapping[str, torch.Tensor]:
-        """Parameters by HF name, to be written between two steps and followed by
-        `set_version`. With tied embeddings `lm_head.weight` and `model.embed_tokens.weight` are
-        the same tensor, so copying into both is harmless."""
-        return {name: p.data for name, p in self.model.named_parameters(remove_duplicate=False)}
-
-    def set_version(self, version: int) -> None:
+    def receive_weights(self, receive: ReceiveFn) -> int:
+        """See `Engine.receive_weights`. The targets are the model's own parameters by HF name;
+        with tied embeddings `lm_head.weight` and `model.embed_tokens.weight` are one tensor."""
         with self._lock:
+            self._torn = True  # until `receive` returns: a failed copy may have been partial
+            targets = {name: p.data for name, p in self.model.named_parameters(remove_duplicate=False)}
+            version = receive(targets)
+            self._torn = False
             self._mark_updated(version)
+        return version
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -40,6 +41,7 @@ from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
+from pipelinerl.engine.base import ReceiveFn
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class VllmEngine:
         self._recompute_kv = recompute_kv_on_update
         self._active: dict[str, _Sequence] = {}
         self._staging: dict[str, torch.Tensor] | None = None
+        # step() and weight updates exclude each other (re-entrant: receive_weights loads).
+        self._lock = threading.RLock()
         self._vocab_size = llm.model_config.get_vocab_size()
         self.dtype: torch.dtype = llm.model_config.dtype
         self.version = 0
@@ -151,6 +155,8 @@ class VllmEngine:
             max_model_len=max_seq_len,
             max_num_seqs=capacity,
             enable_prefix_caching=False,
+            # log mu under logits / T truncated to top-k, then top-p, renormalised: the
+            # distribution the trainer mirrors (`engine.sampling`, docs/algorithm.md).
             logprobs_mode="processed_logprobs",
             async_scheduling=False,
             stream_interval=1,
@@ -239,9 +245,11 @@ class VllmEngine:
     def step(self) -> list[GenerationOutput]:
         if not self._active:
             return []
-        version = self.version  # the weights this forward pass runs with
+        with self._lock:  # weight updates from another thread wait for the step to end
+            version = self.version  # the weights this forward pass runs with
+            outputs = self._llm.step()
         finished: list[GenerationOutput] = []
-        for out in self._llm.step():
+        for out in outputs:
             finished.extend(self._absorb(out, version))
         return finished
 
@@ -285,12 +293,13 @@ class VllmEngine:
         are kept; later tokens are stamped with `version`.
         """
         named = self._checked(weights)  # before vLLM touches a layer
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-        if self._recompute_kv:
-            # Preempts every running request; the scheduler re-prefills prompt + generated
-            # tokens under the new weights before sampling their next token.
-            self._llm.reset_prefix_cache(reset_running_requests=True)
-        self.version = version
+        with self._lock:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+            if self._recompute_kv:
+                # Preempts every running request; the scheduler re-prefills prompt + generated
+                # tokens under the new weights before sampling their next token.
+                self._llm.reset_prefix_cache(reset_running_requests=True)
+            self.version = version
 
     def _checked(self, weights: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """Validate names and shapes up front: a reload that fails half-way leaves layers
@@ -316,27 +325,26 @@ class VllmEngine:
             named.append((_HEAD, weights[_EMBED]))
         return named
 
-    def named_weights(self) -> Mapping[str, torch.Tensor]:
-        """Staging tensors (CPU, checkpoint names and shapes, engine dtype) for a receiver.
+    def receive_weights(self, receive: ReceiveFn) -> int:
+        """See `Engine.receive_weights`. `receive` fills staging tensors (CPU, checkpoint names
+        and shapes, engine dtype), which `load_weights` then pushes into the engine.
 
         vLLM's own parameters cannot be written directly: on CPU the linear layers are
-        pre-packed (their parameters are empty) and q/k/v, gate/up are fused. A receiver copies
-        into these tensors and `set_version` pushes them into the engine. Allocated on first
-        call, initialised from the checkpoint; costs one copy of the model in host memory.
+        pre-packed (their parameters are empty) and q/k/v, gate/up are fused. The staging
+        tensors are allocated on the first update, initialised from the checkpoint; they cost
+        one copy of the model in host memory. A `receive` that raises leaves the engine's
+        weights untouched (only the staging tensors may be partly written).
         """
-        if self._staging is None:
-            self._staging = {}
-            for file in sorted(self._model_path.glob("*.safetensors")):
-                with safe_open(file, framework="pt") as f:
-                    for name in f.keys():
-                        self._staging[name] = f.get_tensor(name).to(self.dtype)
-        return self._staging
-
-    def set_version(self, version: int) -> None:
-        """Push the staging tensors filled through `named_weights()` into the engine."""
-        if self._staging is None:
-            raise RuntimeError("set_version() before named_weights(): nothing was staged")
-        self.load_weights(self._staging, version)
+        with self._lock:
+            if self._staging is None:
+                self._staging = {}
+                for file in sorted(self._model_path.glob("*.safetensors")):
+                    with safe_open(file, framework="pt") as f:
+                        for name in f.keys():
+                            self._staging[name] = f.get_tensor(name).to(self.dtype)
+            version = receive(self._staging)
+            self.load_weights(self._staging, version)
+        return version
 
     def close(self) -> None:
         """Shut the engine core down now instead of at garbage collection."""
@@ -346,7 +354,7 @@ class VllmEngine:
 def _to_vllm(params: SamplingParams) -> VllmSamplingParams:
     return VllmSamplingParams(
         temperature=params.temperature,  # 0 = greedy; its log-probs are then log_softmax(logits)
-        top_p=params.top_p,
+        top_p=params.top_p,  # applied after top-k, to the top-k-renormalised distribution
         top_k=params.top_k,  # 0 disables top-k in both
         max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),

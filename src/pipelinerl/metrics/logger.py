@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pipelinerl.config import MetricsConfig
 
@@ -13,7 +13,7 @@ from pipelinerl.config import MetricsConfig
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, run_name: str, config: dict[str, Any]):
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", buffering=1)
+        self._file = open_new_jsonl(self.path)
         self._tb = None
         self._wandb = None
         if cfg.tensorboard:
@@ -48,6 +48,17 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def open_new_jsonl(path: Path) -> IO[str]:
+    """Create `path` for one launch's records; never append to another launch's file."""
+    try:
+        return path.open("x", buffering=1)  # O_EXCL: two trainers cannot both get it
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path} already exists: another launch wrote it. Choose another `name=` or "
+            "`output_dir=`, or remove the run directory (`pipelinerl train --overwrite` does)"
+        ) from None
 
 
 def _clean(value: Any) -> Any:

@@ -1,4 +1,5 @@
-"""A hand-written Llama/Qwen2-style decoder with a per-slot static KV cache.
+"""A hand-written decoder for the Llama, Mistral, Qwen2 and Qwen3 families, with a per-slot
+static KV cache.
 
 Module names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, ..., `lm_head`), so a
 HF state dict loads directly. Two cached paths serve a continuous-batching engine:
@@ -19,16 +20,25 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# The families this decoder computes exactly as transformers does (tests/test_decoder.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Every SDPA backend but cuDNN's, which on Hopper (bf16) plans a new graph for each new shape:
+# 3.4 ms of CPU per call, and the decode shape changes every step (benchmarks/RESULTS.md, GPU).
+# Applied once per forward, not per layer: entering the context costs ~30 us on a CPU. The
+# switch is process-wide: engines decoding in two threads of one process (tests do; roles are
+# processes) may leave it off after both exit, which only keeps cuDNN's SDPA off.
+_no_cudnn_sdpa = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The architecture fields we use, normalised from a HF `LlamaConfig` / `Qwen2Config`."""
+    """The architecture fields we use, normalised from a HF config of a supported family."""
 
     model_type: str
     vocab_size: int
@@ -43,7 +53,11 @@ class DecoderConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k, before RoPE
     tie_word_embeddings: bool
+    # Span of the sliding-window layers, if any. Within it they equal causal attention, so the
+    # decoder serves sequences up to that length and refuses longer ones (`check_length`).
+    sliding_window: int | None
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> "DecoderConfig":
@@ -55,14 +69,13 @@ class DecoderConfig:
             )
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: expected 'silu'")
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise ValueError("sliding-window attention layers are not supported by the torch decoder")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        # Qwen2 always has q/k/v bias and no o_proj bias; Llama's attention_bias covers all four.
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        # Biases as transformers builds them: Qwen2 has q/k/v bias and no o_proj bias; Mistral
+        # none; Llama's and Qwen3's attention_bias covers all four; only Llama has mlp_bias.
+        attention_bias = bool(getattr(config, "attention_bias", False)) and model_type in ("llama", "qwen3")
         is_qwen2 = model_type == "qwen2"
         return cls(
             model_type=model_type,
@@ -76,10 +89,34 @@ class DecoderConfig:
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=_default_rope_theta(config),
             qkv_bias=is_qwen2 or attention_bias,
-            o_bias=not is_qwen2 and attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            o_bias=attention_bias,
+            mlp_bias=model_type == "llama" and bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=_sliding_window(config),
         )
+
+    def check_length(self, positions: int) -> None:
+        """Refuse sequences of more than `sliding_window` positions, where sliding-window
+        layers would stop attending to the earliest tokens and this decoder would not."""
+        if self.sliding_window is not None and positions > self.sliding_window:
+            raise ValueError(
+                f"{self.model_type} model with sliding_window={self.sliding_window}: the torch "
+                f"decoder implements sequences of at most that many positions, asked for "
+                f"{positions} positions (lower engine.max_seq_len, or use engine.backend=vllm)"
+            )
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of the config's sliding-window layers, None if no layer slides. Mistral
+    slides in every layer when `sliding_window` is set; Qwen2/Qwen3 only in the layers that
+    `layer_types` marks (with `use_sliding_window`)."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return window
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return window
+    return None
 
 
 def _default_rope_theta(config: PretrainedConfig) -> float:
@@ -110,6 +147,7 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> None:
+        config.check_length(max_seq_len)
         self.capacity = capacity
         self.max_seq_len = max_seq_len
         shape = (capacity, config.num_key_value_heads, max_seq_len, config.head_dim)
@@ -177,6 +215,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **factory)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **factory)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, **factory)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory)
+        self.qk_norm = config.qk_norm
+
+    def _project_qk(self, x: torch.Tensor, *lead: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k of x [*lead, D] as [*lead, heads, head_dim], each head RMS-normalised for
+        Qwen3 (before RoPE, as transformers does)."""
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def prefill(
         self,
@@ -190,8 +241,8 @@ class Attention(nn.Module):
         """Causal attention over a right-padded batch [B, T, D]; writes K/V into `slots` if given.
         Right padding needs no extra mask: a real token never attends to a later (pad) position."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self._project_qk(x, b, t)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -216,8 +267,8 @@ class Attention(nn.Module):
         n = x.shape[0]
         group = self.num_heads // self.num_kv_heads
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = _apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = self._project_qk(x, n)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         k_cache[rows, :, positions] = k
         v_cache[rows, :, positions] = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         length = mask.shape[-1]
@@ -270,8 +321,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalDecoder(nn.Module):
-    """Llama/Qwen2 causal LM; `load_hf_weights(hf_model.state_dict())` makes it compute the same
-    logits as the HF model."""
+    """Causal LM of a supported family; `load_hf_weights(hf_model.state_dict())` makes it
+    compute the same logits as the HF model."""
 
     def __init__(
         self,
@@ -292,8 +343,10 @@ class CausalDecoder(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))
 
+    @_no_cudnn_sdpa
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Uncached causal forward over [B, T] tokens; returns logits [B, T, V] (teacher forcing)."""
+        self.config.check_length(input_ids.shape[1])
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
@@ -301,6 +354,7 @@ class CausalDecoder(nn.Module):
             h = layer.prefill(h, cos, sin, None, None, None)
         return self._logits(h)
 
+    @_no_cudnn_sdpa
     def prefill(
         self,
         cache: KVCache,
@@ -320,6 +374,7 @@ class CausalDecoder(nn.Module):
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
         return self._logits(last)
 
+    @_no_cudnn_sdpa
     def decode(
         self,
         cache: KVCache,
@@ -354,11 +409,14 @@ class CausalDecoder(nn.Module):
         missing = [n for n in params if n not in weights]
         if missing:
             raise KeyError(f"weights missing for decoder parameters: {sorted(missing)[:10]}")
+        # Every check before the first copy, so a rejected update leaves the weights whole.
         for name, param in params.items():
-            src = weights[name]
-            if src.shape != param.shape:
-                raise ValueError(f"shape mismatch for {name}: got {tuple(src.shape)}, expected {tuple(param.shape)}")
-            param.copy_(src)
+            if weights[name].shape != param.shape:
+                raise ValueError(
+                    f"shape mismatch for {name}: got {tuple(weights[name].shape)}, expected {tuple(param.shape)}"
+                )
+        for name, param in params.items():
+            param.copy_(weights[name])
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

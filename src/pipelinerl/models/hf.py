@@ -7,18 +7,22 @@ at once with the path and what is wrong instead of a download attempt or a deep 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-# Decoder-only architectures the project's engines and trainer handle (Llama-style blocks).
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+# One list for engines and trainer: the families the torch engine computes exactly as
+# transformers does (the vLLM engine and the trainer run them through their own code).
+from pipelinerl.models.decoder import SUPPORTED_MODEL_TYPES, DecoderConfig
 
 
 class ModelPathError(ValueError):
@@ -52,6 +56,17 @@ def read_model_type(path: str | Path) -> str:
     return model_type
 
 
+def check_engine_model(path: str | Path, backend: str, max_seq_len: int) -> None:
+    """Refuse, before any role starts, a model that the actor's engine would refuse when it
+    starts: a family outside SUPPORTED_MODEL_TYPES (any backend) and, for the torch engine,
+    what its decoder lacks (scaled RoPE, another activation, a sliding window shorter than
+    `max_seq_len`). Raises ModelPathError or ValueError naming what is wrong."""
+    read_model_type(path)
+    if backend == "torch":
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        DecoderConfig.from_hf(config).check_length(max_seq_len)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
@@ -79,12 +94,46 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A prompt's token ids as the model expects them, for the engine (and, through the
+    sample's stored prompt_ids, the trainer): with the special tokens the tokenizer puts before
+    a text (BOS for Llama and Mistral; none for Qwen or the char tokenizer), without those it
+    appends (an EOS would end the prompt), and no second BOS when the text already starts with
+    one (a chat template's output)."""
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    full = tokenizer.encode(text, add_special_tokens=True)
+    prefix = next(
+        (full[:k] for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain),
+        [],
+    )
+    return plain if plain[: len(prefix)] == prefix else prefix + plain
+
+
 def save_model(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
 ) -> Path:
-    """Save model (safetensors; tied weights stored once) and tokenizer in HF format."""
+    """Save model (safetensors; tied weights stored once) and tokenizer in HF format.
+
+    Atomic: written to a temporary directory beside `out_dir`, then renamed into place (an
+    existing `out_dir` is replaced as a whole), so an interrupted save leaves the previous
+    `out_dir` (or none), never a partial one.
+    """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    except BaseException:  # KeyboardInterrupt too: a stopped role leaves no partial copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # rename() cannot replace a non-empty directory: move it aside first
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
     return out

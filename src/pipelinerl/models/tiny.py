@@ -5,8 +5,10 @@ the system loads it exactly like a real checkpoint.
 
 BOS handling: `<bos>` is registered as the tokenizer's bos_token but encode never inserts it
 (there is no post-processor), so ``tokenizer.encode(text)`` is exactly one id per character
-whatever `add_special_tokens` says. Models built here are trained and sampled without BOS;
-a prompt plus a completion encodes to the concatenation of their encodings.
+whatever `add_special_tokens` says. `models.hf.encode_prompt` (how every role encodes prompts)
+puts BOS first only where a tokenizer's post-processor does, so models built here are trained
+and sampled without BOS; a prompt plus a completion encodes to the concatenation of their
+encodings.
 """
 
 from __future__ import annotations

@@ -12,9 +12,13 @@ up to exactly the gradient of the step computed in one piece.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
+
+# (rho, advantages) -> bool mask of the tokens whose clipped term is the active one.
+ClipActive = Callable[[Tensor, Tensor], Tensor]
 
 
 def _masked_sum(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -58,6 +62,19 @@ def ppo_clip_loss(
     return -_masked_sum(surrogate, mask) / num_sequences
 
 
+def tis_clip_active(clip_c: float) -> ClipActive:
+    """REINFORCE-TIS: tokens whose truncation changed their gradient, rho > c with A != 0 (the
+    gradient is -min(rho, c) * A * grad log pi / B: with A = 0 it is zero whatever the weight)."""
+    return lambda rho, adv: (rho > clip_c) & (adv != 0)
+
+
+def ppo_clip_active(eps: float) -> ClipActive:
+    """PPO-clip: tokens where the min picks the clipped term, which has no gradient: r > 1 + eps
+    with A > 0, or r < 1 - eps with A < 0. Outside [1 - eps, 1 + eps] on the other side, or
+    with A = 0, the unclipped term is the min and clipping changes nothing."""
+    return lambda rho, adv: ((rho > 1 + eps) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
+
+
 @dataclass
 class LossStats:
     """Sums over one optimizer step; `add()` each micro-batch, then `finalize()`.
@@ -85,19 +102,21 @@ class LossStats:
         self,
         new_logprobs: Tensor,
         old_logprobs: Tensor,
+        advantages: Tensor,
         versions: Tensor,
         trainer_version: int,
-        clip_range: tuple[float, float] = (0.0, 5.0),
+        clip_active: ClipActive = tis_clip_active(5.0),
         mask: Tensor | None = None,
     ) -> None:
         """Accumulate one micro-batch.
 
-        clip_range: a token counts as clipped when rho falls outside it: (0, c) for
-        REINFORCE-TIS (rho > c was truncated), (1 - eps, 1 + eps) for PPO-clip.
+        clip_active: the loss's rule for a token whose clipped term is the active one
+        (`tis_clip_active(c)`, `ppo_clip_active(eps)`); `clip_frac` counts those tokens.
         """
         new, old, ver = new_logprobs.detach().double(), old_logprobs.double(), versions
+        adv = advantages.detach()
         if mask is not None:
-            new, old, ver = new[mask], old[mask], ver[mask]
+            new, old, ver, adv = new[mask], old[mask], ver[mask], adv[mask]
         if new.numel() == 0:
             return
         log_ratio = new - old
@@ -108,14 +127,13 @@ class LossStats:
         abs_diff = log_ratio.abs()
         lag = trainer_version - ver.long()
         lag0 = lag == 0
-        lo, hi = clip_range
         # Seeded from the first tokens, so a negative lag (a provenance bug) stays visible.
         step_max = lag.max().item()
         self.max_lag = step_max if self.tokens == 0 else max(self.max_lag, step_max)
         self.tokens += new.numel()
         self.sum_rho += rho.sum().item()
         self.sum_rho_sq += rho.square().sum().item()
-        self.clipped += ((rho < lo) | (rho > hi)).sum().item()
+        self.clipped += clip_active(rho, adv).sum().item()
         self.sum_abs_diff += abs_diff.sum().item()
         self.sum_k3 += k3.sum().item()
         self.lag0_tokens += lag0.sum().item()

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.types import Sample
 
 # Elements of fp32 logits materialised at once when turning logits into log-probs (256 MB).
@@ -202,11 +203,22 @@ def pad(
     return [_build(samples, adv, [[i] for i in b], pad_id) for b in batches]
 
 
+def _keep_sampled(scaled: Tensor, threshold: Tensor, targets: Tensor) -> Tensor:
+    """`scaled` with the tokens outside the kept set (`scaled >= threshold`) at -inf. The
+    sampled token always stays: where the trainer's logits drop it (they moved since it was
+    sampled, or differ numerically from the engine's), its log-prob is then small and finite,
+    and continuous as it crosses the boundary, instead of -inf (0 * -inf = NaN in the loss)."""
+    keep = (scaled >= threshold).scatter_(-1, targets[:, None], True)
+    return scaled.masked_fill(~keep, float("-inf"))
+
+
 class _SelectedLogprobs(torch.autograd.Function):
-    """log_softmax(logits[rows] / T)[targets], computed in token chunks.
+    """log_softmax(logits[rows] / T)[targets], computed in token chunks, optionally under the
+    engine's top-k / top-p truncation.
 
     Autograd through log_softmax would keep an fp32 (K, vocab) copy alive for backward; this
-    keeps only the logits (model dtype) and one fp32 chunk at a time, in both directions.
+    keeps only the logits (model dtype), one fp32 chunk at a time and, when truncating, one
+    threshold per token (the kept set is recomputed from it in backward, without a sort).
     """
 
     @staticmethod
@@ -217,49 +229,60 @@ class _SelectedLogprobs(torch.autograd.Function):
         targets: Tensor,
         temperature: float,
         chunk: int,
+        truncation: tuple[int, float] | None = None,
     ) -> Tensor:
         out = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        threshold = torch.empty_like(out) if truncation else None
         for s in range(0, rows.numel(), chunk):
             e = s + chunk
             x = logits[rows[s:e]].float() / temperature
+            if threshold is not None:
+                threshold[s:e] = truncation_threshold(x, *truncation).squeeze(1)
+                x = _keep_sampled(x, threshold[s:e, None], targets[s:e])
             lse[s:e] = torch.logsumexp(x, dim=-1)
             out[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
-        ctx.save_for_backward(logits, rows, targets, lse)
+        ctx.save_for_backward(logits, rows, targets, lse, threshold)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
-    ) -> tuple[Tensor, None, None, None, None]:
-        logits, rows, targets, lse = ctx.saved_tensors
+    ) -> tuple[Tensor, None, None, None, None, None]:
+        logits, rows, targets, lse, threshold = ctx.saved_tensors
         grad = torch.zeros_like(logits)
         for s in range(0, rows.numel(), ctx.chunk):
             e = s + ctx.chunk
             g = grad_out[s:e, None].float()
             x = logits[rows[s:e]].float() / ctx.temperature
+            if threshold is not None:
+                # Dropped tokens get exp(-inf) = 0: the kept set is a stop-gradient choice.
+                x = _keep_sampled(x, threshold[s:e, None], targets[s:e])
             # d/dx (x_target - logsumexp x) = onehot(target) - softmax(x); chain through /T.
             dx = torch.exp(x - lse[s:e, None]).mul_(-g).scatter_add_(-1, targets[s:e, None], g)
             grad.index_add_(0, rows[s:e], dx.div_(ctx.temperature).to(grad.dtype))
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def token_logprobs(
     model: nn.Module,
     batch: PackedBatch,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     chunk_tokens: int | None = None,
 ) -> Tensor:
     """Trainer log-probs (K,) float32 of the batch's trained tokens, aligned with its fields.
 
-    Log-probs come from logits / temperature, mirroring how the engine samples. Top-k / top-p
-    truncation is NOT mirrored: the engine's log-probs then come from a renormalised truncated
-    distribution, and the difference shows up as engine-vs-trainer mismatch in `LossStats`.
-    Only the grid columns that predict a trained token are projected onto the vocabulary
-    (`logits_to_keep`), so prompt positions cost no lm_head work in packed rows (padded rows
-    keep the union of those columns over their rows). Beyond `chunk_tokens` trained tokens
-    (default: 2^26 / vocab) the fp32 log-softmax runs chunk by chunk, forward and backward.
+    Log-probs come from the distribution the engine samples from: logits / temperature,
+    truncated to the top-k (0: off), then top-p (1: off), set and renormalised
+    (`engine.sampling`; the sampled token is always kept, see `_keep_sampled`). Gradients
+    flow through the kept logits only. Only the grid columns that predict a trained token are
+    projected onto the vocabulary (`logits_to_keep`), so prompt positions cost no lm_head work
+    in packed rows (padded rows keep the union of those columns over their rows). Beyond
+    `chunk_tokens` trained tokens (default: 2^26 / vocab) the fp32 log-softmax runs chunk by
+    chunk, forward and backward.
     """
     if batch.num_tokens == 0:
         return torch.zeros(0, device=batch.input_ids.device)
@@ -275,9 +298,14 @@ def token_logprobs(
     vocab = logits.shape[-1]
     flat_rows = batch.token_rows * cols.numel() + torch.searchsorted(cols, batch.token_cols)
     flat = logits.reshape(-1, vocab)
+    truncation = (top_k, top_p) if top_k > 0 or top_p < 1 else None
     chunk = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
     if batch.num_tokens <= chunk:
         # Small enough to materialise at once: plain autograd is faster (no recomputation).
         x = flat[flat_rows].float() / temperature
+        if truncation:
+            x = _keep_sampled(x, truncation_threshold(x, *truncation), batch.target_ids)
         return x.gather(-1, batch.target_ids[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
-    return _SelectedLogprobs.apply(flat, flat_rows, batch.target_ids, temperature, chunk)
+    return _SelectedLogprobs.apply(
+        flat, flat_rows, batch.target_ids, temperature, chunk, truncation
+    )

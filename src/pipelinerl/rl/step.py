@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from pipelinerl.config import Config
 from pipelinerl.rl.advantages import groups_advantages
-from pipelinerl.rl.losses import LossStats, ppo_clip_loss, reinforce_tis_loss
+from pipelinerl.rl.losses import (
+    LossStats,
+    ppo_clip_active,
+    ppo_clip_loss,
+    reinforce_tis_loss,
+    tis_clip_active,
+)
 from pipelinerl.rl.packing import pack, pad, token_logprobs
 from pipelinerl.types import Group
 
@@ -40,11 +46,17 @@ def rl_step(
         batches = pack(samples, advantages, tc.max_tokens_per_row)
     else:
         batches = pad(samples, advantages, tc.max_tokens_per_row)
-    # The engine samples from logits / T; greedy (T = 0) is scored at T = 1.
-    temperature = cfg.engine.temperature or 1.0
+    # Score under the distribution the engine sampled from: logits / T, truncated to top-k and
+    # top-p (`engine.sampling`). Greedy (T = 0) is scored at T = 1, untruncated, as reported.
+    ec = cfg.engine
+    sampled = ec.temperature > 0
+    temperature = ec.temperature if sampled else 1.0
+    top_k, top_p = (ec.top_k, ec.top_p) if sampled else (0, 1.0)
     loss_cfg = tc.loss
-    clip_range = (0.0, loss_cfg.is_clip) if loss_cfg.kind == "reinforce" else (
-        1 - loss_cfg.ppo_eps, 1 + loss_cfg.ppo_eps)
+    if loss_cfg.kind == "reinforce":
+        clip_active = tis_clip_active(loss_cfg.is_clip)
+    else:
+        clip_active = ppo_clip_active(loss_cfg.ppo_eps)
     stats = LossStats()
     total_loss = 0.0
     input_tokens = 0
@@ -57,7 +69,7 @@ def rl_step(
         is_last = i == len(batches) - 1
         sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            new_lp = token_logprobs(model, batch, temperature=temperature)
+            new_lp = token_logprobs(model, batch, temperature, top_k=top_k, top_p=top_p)
             if loss_cfg.kind == "reinforce":
                 loss = reinforce_tis_loss(new_lp, batch.old_logprobs, batch.advantages,
                                           num_sequences=num_sequences, clip_c=loss_cfg.is_clip)
@@ -67,7 +79,8 @@ def rl_step(
             (loss * world).backward()
         total_loss += loss.item()
         input_tokens += batch.num_input_tokens
-        stats.add(new_lp, batch.old_logprobs, batch.versions, trainer_version, clip_range)
+        stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
+                  clip_active)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     optimizer.step()
     totals = {"loss": total_loss, "input_tokens": float(input_tokens)}

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 
@@ -79,8 +80,12 @@ def start_redis_server(
     appendonly: bool = True,
     binary: str = "redis-server",
     startup_timeout_s: float = 10.0,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> RedisServer:
     """Start `redis-server` on `bind:port` (port 0: a free one) and wait until it serves.
+
+    `preexec_fn` runs in the child before redis starts (the launcher ties the server's life to
+    its own with it).
 
     With `appendonly` (the default) every write goes to an append-only file in `dir`, synced
     each second, so restarting the server in the same `dir` on resume brings back the records
@@ -101,7 +106,7 @@ def start_redis_server(
     # A free port picked here can be taken before redis binds it; then try another.
     for _ in range(1 if port else 3):
         chosen = port or _free_port(bind)
-        server = _launch(exe, data_dir, bind, chosen, appendonly, startup_timeout_s)
+        server = _launch(exe, data_dir, bind, chosen, appendonly, startup_timeout_s, preexec_fn)
         if server is not None:
             return server
     raise RuntimeError(
@@ -111,7 +116,8 @@ def start_redis_server(
 
 
 def _launch(
-    exe: str, data_dir: Path, bind: str, port: int, appendonly: bool, startup_timeout_s: float
+    exe: str, data_dir: Path, bind: str, port: int, appendonly: bool, startup_timeout_s: float,
+    preexec_fn: Callable[[], None] | None,
 ) -> RedisServer | None:
     """The started server, or None if its port was taken; raises on any other failure."""
     log_path = data_dir / _LOG_NAME
@@ -130,7 +136,10 @@ def _launch(
     ]  # fmt: skip
     # Early failures (a bad option) go to stderr before redis opens its log: append them there.
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        # A session of its own: a terminal's Ctrl-C must not stop the server before the roles
+        # that write their last records to it (the owner stops it last).
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, preexec_fn=preexec_fn)
     server = RedisServer(proc, bind if ":" not in bind else f"[{bind}]", port, data_dir)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:

@@ -7,10 +7,11 @@ would skip records the restored model never saw. With XREAD the position is just
 the reader returned (`offsets()`), the server holds no reader state, and a reader reopened
 with saved offsets continues right after it: nothing lost, nothing repeated.
 
-Each record is one entry `{w: writer_id, d: JSON}` in the stream `pipelinerl:<run>:<stream>`.
-Entry ids are assigned by the server (`*`), so several writers can share a stream, and each
-writer's records keep its order. Nothing here ever deletes a stream; trimming happens only
-through `RedisStreamReader.trim`, below ids the caller says are safely checkpointed.
+Each record is one entry `{w: writer_id, d: JSON}` in the stream `pipelinerl:<run>:<stream>`
+(a run's roles pass `<name>:<run_id>` as `run`). Entry ids are assigned by the server (`*`),
+so several writers can share a stream, and each writer's records keep its order. Nothing here
+ever deletes a stream; trimming happens only through `RedisStreamReader.trim`, below ids the
+caller says are safely checkpointed.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class StreamConnectionError(ConnectionError):
 
 
 def stream_key(run: str, stream: str) -> str:
-    for kind, name in (("run", run), ("stream", stream)):
+    """`pipelinerl:<run>:<stream>`; `run` may have parts joined by `:` (name:run_id)."""
+    for kind, name in (*(("run", part) for part in run.split(":")), ("stream", stream)):
         if not _NAME_RE.match(name):
             raise ValueError(f"{kind} {name!r} must match {_NAME_RE.pattern}")
     return f"pipelinerl:{run}:{stream}"

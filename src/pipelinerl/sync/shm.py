@@ -11,9 +11,19 @@ File layout (`<shm_dir>/pipelinerl-<run_id>-weights`), created by the sender at 
 Consistency is a seqlock: the writer makes `seq` odd, writes the version and every slot (one
 `copy_` per tensor, no pickling), then makes `seq` even again. A reader reads `seq`, copies
 every slot into its targets, re-reads `seq`, and retries if it changed or was odd, so a reader
-never keeps a torn mix of two versions and the writer never waits for readers. This needs the
-CPU to make stores visible in program order and not to reorder loads, which x86-64 (TSO)
-guarantees; weakly ordered CPUs (aarch64) give no such guarantee from Python.
+never keeps a torn mix of two versions and the writer never waits for readers.
+
+Memory ordering. A seqlock needs the writer's stores seen in the order seq-odd, data, seq-even,
+and the reader's loads done in the order seq, data, seq. x86-64 (TSO) keeps both orders by
+itself; aarch64 (GH200/Grace) and other weakly ordered CPUs may reorder both. So each side
+puts a full memory barrier (`_fence`: C11 `atomic_thread_fence(memory_order_seq_cst)`, a
+`dmb ish` on aarch64, from GCC's libatomic through ctypes, about a microsecond) between the
+seq access and the data on either side of it: writer `seq odd; fence; data; fence; seq even`,
+reader `seq; fence; data; fence; seq`. The 8-byte header words are aligned, so each load and
+store of `seq` is single-copy atomic. Copies that torch spreads over worker threads are joined
+before `copy_` returns, and a barrier is cumulative, so it orders their accesses too. Without
+libatomic, x86-64 runs without barriers (TSO suffices: Python calls are opaque to the C
+compiler, so nothing reorders them either); other CPUs refuse to open the channel.
 
 The sender builds the file under a temporary name and renames it into place, so a reader sees
 either no file or a complete one; a crashed run leaves its file behind and the next sender with
@@ -24,14 +34,16 @@ never truncated while mapped, so readers cannot fault on it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
 import os
+import platform
 import re
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +57,33 @@ _HEADER_BYTES = 64
 _MAGIC_I, _SEQ_I, _VERSION_I, _MAN_OFF_I, _MAN_LEN_I, _DATA_OFF_I, _DATA_LEN_I = range(7)
 _SLOT_ALIGN = 64
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _load_fence() -> Callable[[], None] | None:
+    """A full memory barrier, or None where none can be had and the CPU needs one."""
+    try:
+        fence = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
+    except (OSError, AttributeError):
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            return lambda: None  # TSO already keeps the orders the seqlock needs
+        return None
+    fence.argtypes, fence.restype = [ctypes.c_int], None
+    seq_cst = 5  # memory_order_seq_cst in C11 <stdatomic.h>
+    return lambda: fence(seq_cst)
+
+
+_fence_or_none = _load_fence()
+
+
+def _fence() -> None:
+    """Full memory barrier between a seqlock's header and data accesses (module docstring)."""
+    if _fence_or_none is None:
+        raise RuntimeError(
+            f"the shared-memory weight channel needs memory barriers on {platform.machine()}: "
+            "install GCC's libatomic (Debian/Ubuntu: apt-get install libatomic1), or use "
+            "sync.backend=broadcast"
+        )
+    _fence_or_none()
 
 
 def _align(n: int, a: int) -> int:
@@ -214,11 +253,14 @@ class ShmWeightSender:
     """Publishes weights into the run's shared-memory file (see module docstring)."""
 
     def __init__(self, run_id: str, shm_dir: str | Path = "/dev/shm"):
+        _fence()  # refuses, at start, a CPU that needs barriers and has none
         self.path = shm_path(run_id, shm_dir)
         self._layout: WeightLayout | None = None
         self._mm: mmap.mmap | None = None
         self._header: np.ndarray | None = None
         self._views: list[torch.Tensor] = []
+        self._data: torch.Tensor | None = None
+        self._page_lock = _PageLock(read_only=False)
         self._inode: tuple[int, int] | None = None
         self._version: int | None = None
         self.last_transfer_s = 0.0
@@ -258,7 +300,7 @@ class ShmWeightSender:
             for s, off in zip(layout.slots, offsets, strict=True)
         ]
         os.replace(tmp, self.path)
-        self._mm, self._header, self._layout = mm, header, layout
+        self._mm, self._header, self._layout, self._data = mm, header, layout, data
         self._inode = (st.st_dev, st.st_ino)
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
@@ -269,13 +311,17 @@ class ShmWeightSender:
             self._create(WeightLayout.from_weights(weights))
         assert self._layout is not None and self._header is not None
         sources = self._layout.sources(weights)
+        assert self._data is not None
+        self._page_lock.ensure(self._data, sources)
         header = self._header
         seq = int(header[_SEQ_I])
         header[_SEQ_I] = seq + 1  # odd: readers retry until the write is done
+        _fence()  # the odd seq is visible before any new data
         header[_VERSION_I] = version
         with torch.no_grad():
             for view, src in zip(self._views, sources, strict=True):
                 view.copy_(src)
+        _fence()  # all new data is visible before the even seq
         header[_SEQ_I] = seq + 2
         self._version = version
         self.last_transfer_s = time.perf_counter() - t0
@@ -285,7 +331,8 @@ class ShmWeightSender:
     def close(self) -> None:
         if self._mm is None:
             return
-        self._views, self._header = [], None  # release the buffer exports before unmapping
+        self._page_lock.release()
+        self._views, self._header, self._data = [], None, None  # release the buffer exports
         self._mm.close()
         self._mm = None
         try:
@@ -294,6 +341,46 @@ class ShmWeightSender:
             return
         if (st.st_dev, st.st_ino) == self._inode:  # never unlink a newer sender's file
             self.path.unlink(missing_ok=True)
+
+
+_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the actors' mapping is PROT_READ
+
+
+class _PageLock:
+    """Page-locks (cudaHostRegister) a mapping the first time a copy involves a GPU, so copies
+    between it and the GPU run as DMA instead of through the driver's pageable staging (H100,
+    2 GB: 294 ms pageable against 36 ms pinned; benchmarks/RESULTS.md "GPU"). A refusal (an
+    old driver, a memlock limit) is logged once and the copies stay pageable."""
+
+    def __init__(self, read_only: bool) -> None:
+        self.flags = _CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+        self.ptr: int | None = None
+        self.refused = False
+
+    def ensure(self, data: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        if self.ptr is not None or self.refused or not any(t.is_cuda for t in tensors):
+            return
+        err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), self.flags)
+        if int(err) != 0:
+            self.refused = True
+            logger.warning("could not page-lock the weight buffer (cudaHostRegister error %d): "
+                           "weight copies to the GPU stay pageable (slower)", int(err))
+            return
+        self.ptr = data.data_ptr()
+
+    def release(self) -> None:
+        if self.ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.ptr = None
+
+
+def _copy_weight(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Host view -> engine tensor. Into an accelerator tensor of another dtype, upload first and
+    convert there: `copy_` would convert on the CPU, one slow thread (H100, 0.5B fp32 -> bf16:
+    567 ms against 293 ms uploading then converting; benchmarks/RESULTS.md "GPU")."""
+    if dest.dtype != src.dtype and dest.device.type != "cpu":
+        src = src.to(dest.device)
+    dest.copy_(src)
 
 
 class ShmWeightReceiver:
@@ -305,6 +392,7 @@ class ShmWeightReceiver:
     """
 
     def __init__(self, run_id: str, shm_dir: str | Path = "/dev/shm", timeout_s: float = 60.0):
+        _fence()  # refuses, at start, a CPU that needs barriers and has none
         self.path = shm_path(run_id, shm_dir)
         self.timeout_s = timeout_s
         self.last_version: int | None = None
@@ -314,10 +402,14 @@ class ShmWeightReceiver:
         self._header: np.ndarray | None = None
         self._layout: WeightLayout | None = None
         self._views: list[torch.Tensor] = []
+        self._data: torch.Tensor | None = None
+        self._page_lock = _PageLock(read_only=True)
         self._inode: tuple[int, int] | None = None
 
     def _unmap(self) -> None:
-        self._views, self._header, self._layout = [], None, None
+        self._page_lock.release()
+        self._page_lock = _PageLock(read_only=True)
+        self._views, self._header, self._layout, self._data = [], None, None, None
         if self._mm is not None:
             self._mm.close()
             self._mm = None
@@ -360,7 +452,7 @@ class ShmWeightReceiver:
             data[off:off + s.nbytes].view(s.dtype).view(s.shape)
             for s, off in zip(layout.slots, offsets, strict=True)
         ]
-        self._mm, self._header, self._layout = mm, header, layout
+        self._mm, self._header, self._layout, self._data = mm, header, layout, data
         self._inode = (st.st_dev, st.st_ino)
         return True
 
@@ -382,6 +474,8 @@ class ShmWeightReceiver:
             raise RuntimeError(f"no weights published yet at {self.path}")
         assert self._layout is not None and self._header is not None
         dests = self._layout.bind(targets)
+        assert self._data is not None
+        self._page_lock.ensure(self._data, [t for ts in dests for t in ts])
         header = self._header
         deadline = time.monotonic() + self.timeout_s
         with torch.no_grad():
@@ -390,10 +484,12 @@ class ShmWeightReceiver:
                 if seq == 0:
                     raise RuntimeError(f"no weights published yet at {self.path}")
                 if seq % 2 == 0:
+                    _fence()  # no data load before the seq load
                     version = int(header[_VERSION_I])
                     for view, ts in zip(self._views, dests, strict=True):
                         for t in ts:
-                            t.copy_(view)
+                            _copy_weight(t, view)
+                    _fence()  # every data load done before seq is read again
                     if int(header[_SEQ_I]) == seq:
                         break
                     self.torn_retries += 1

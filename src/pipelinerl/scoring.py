@@ -1,0 +1,156 @@
+"""Scoring finished groups off the decode path.
+
+The actor hands each finished group's completions to a `Scorer` and goes back to decoding;
+`poll` returns the groups whose scores are all in. Each completion is verified in a worker
+process (pebble's `ProcessPool`) under a deadline of `timeout_s` from the moment it starts
+running: a verifier that hangs is killed with its worker (which the pool replaces) and the
+group counts as `verifier_timeout`; one that raises counts as `verifier_error`; one whose
+process dies counts as `verifier_crash`. A group with any failed attempt is dropped whole,
+since its baseline needs every attempt. The task travels to each worker pickled, once, at
+the worker's start.
+
+A task whose `score` already runs its verifier in a killable process under its own deadline,
+and is thread-safe, sets `bounds_score_time = True` (the math task does): it is called from
+threads instead, as a second process around it would only add a hop.
+
+The queue is bounded by the actor's schedule: every group waiting here still holds its place
+in the staleness bound, so at most the groups the schedule admits can wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from queue import Empty, SimpleQueue
+
+from pebble import ProcessExpired, ProcessPool
+
+from pipelinerl.tasks.base import Problem, Score, Task
+
+log = logging.getLogger(__name__)
+
+_worker_task: Task | None = None  # the task, in a worker process
+
+
+def _load_task(task: Task) -> None:
+    global _worker_task
+    _worker_task = task
+
+
+def _score_in_worker(problem: Problem, completion: str) -> Score:
+    assert _worker_task is not None, "the pool's initializer loads the task"
+    return _worker_task.score(problem, completion)
+
+
+@dataclass
+class Scored:
+    """One group's outcome: its scores in completion order, or the reason it was dropped."""
+
+    key: str
+    scores: list[Score] | None
+    reason: str = ""
+
+
+@dataclass
+class _Job:
+    problem: Problem
+    futures: list[Future]
+    remaining: int  # verifications not yet seen finished
+
+
+class Scorer:
+    """Verifies groups' completions in the background; see the module docstring."""
+
+    def __init__(self, task: Task, timeout_s: float, workers: int = 2) -> None:
+        self.task = task
+        self.timeout_s = timeout_s
+        self._jobs: dict[str, _Job] = {}
+        # Finished verifications, (group key, future), put by the futures' callbacks: `poll`
+        # looks only at what finished, never scans what is still running.
+        self._finished: SimpleQueue[tuple[str, Future]] = SimpleQueue()
+        self._threads: ThreadPoolExecutor | None = None
+        self._processes: ProcessPool | None = None
+        if getattr(task, "bounds_score_time", False):
+            self._threads = ThreadPoolExecutor(workers, thread_name_prefix="verifier")
+            return
+        try:
+            pickle.dumps(task)
+        except Exception as exc:  # noqa: BLE001 - pickle raises several types
+            raise TypeError(
+                f"task {task.name!r} cannot be sent to the verifier worker processes ({exc!r}): "
+                "make it picklable, or, if its score() is thread-safe and bounds its own time, "
+                "set bounds_score_time = True on it"
+            ) from None
+        # spawn: a worker never inherits the actor's threads, CUDA context or engine memory.
+        self._processes = ProcessPool(
+            workers, initializer=_load_task, initargs=(task,),
+            context=multiprocessing.get_context("spawn"),
+        )
+
+    def submit(self, key: str, problem: Problem, completions: list[str]) -> None:
+        if self._threads is not None:
+            futures = [self._threads.submit(self.task.score, problem, c) for c in completions]
+        else:
+            assert self._processes is not None
+            futures = [
+                self._processes.schedule(_score_in_worker, (problem, c), timeout=self.timeout_s)
+                for c in completions
+            ]
+        self._jobs[key] = _Job(problem, futures, len(futures))
+        for future in futures:
+            future.add_done_callback(lambda f, key=key: self._finished.put((key, f)))
+
+    def poll(self) -> list[Scored]:
+        """The groups whose outcome is known, without waiting."""
+        ready = []
+        while not self._finished.empty():
+            key, future = self._finished.get()
+            job = self._jobs.get(key)
+            if job is None:
+                continue  # its group already failed
+            if reason := self._failure(job, future):
+                for other in job.futures:
+                    if not other.running():  # cancelling a running one would kill its worker
+                        other.cancel()
+                ready.append(Scored(key, None, reason))
+                del self._jobs[key]
+                continue
+            job.remaining -= 1
+            if job.remaining == 0:
+                ready.append(Scored(key, [f.result() for f in job.futures]))
+                del self._jobs[key]
+        return ready
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some verification finishes or `timeout_s` passes."""
+        try:
+            finished = self._finished.get(timeout=timeout_s)
+        except Empty:
+            return
+        self._finished.put(finished)  # for `poll`; the order of finished ones does not matter
+
+    def _failure(self, job: _Job, future: Future) -> str:
+        exc = future.exception()
+        if exc is None:
+            return ""
+        if isinstance(exc, TimeoutError):
+            return "verifier_timeout"
+        if isinstance(exc, ProcessExpired):
+            log.warning("verifier process of task %s died on problem %s (exit code %s)",
+                        self.task.name, job.problem.problem_id, exc.exitcode)
+            return "verifier_crash"
+        log.warning("verifier of task %s raised on problem %s: %r",
+                    self.task.name, job.problem.problem_id, exc)
+        return "verifier_error"
+
+    def close(self) -> None:
+        """Stop the workers; verifications still running are abandoned."""
+        self._jobs.clear()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.stop()
+            self._processes.join(timeout=10)

@@ -1,0 +1,50 @@
+"""A fake task for the actor tests and the scoring benchmark: numbered prompts, and a verifier
+that sleeps, hangs, raises or crashes on the problems it is told to.
+
+Kept apart from the test modules and free of torch: verifier worker processes import it to
+unpickle the task, and should start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+from pipelinerl.tasks.base import Problem, Score
+
+
+class FakeTask:
+    name = "fake"
+
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        hang: frozenset[str] = frozenset(),
+        fail: frozenset[str] = frozenset(),
+        crash: frozenset[str] = frozenset(),
+        pid_dir: str | None = None,
+        prompt: str = "abcd",
+    ) -> None:
+        self.delay_s = delay_s
+        self.hang, self.fail, self.crash = hang, fail, crash
+        self.pid_dir = pid_dir  # a hanging verifier leaves its process id here
+        self.prompt = prompt
+        self.drawn = 0
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        self.drawn += 1
+        return Problem(f"fake:{self.drawn - 1}", self.prompt, None)
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        if problem.problem_id in self.hang:
+            if self.pid_dir is not None:
+                (Path(self.pid_dir) / str(os.getpid())).touch()
+            time.sleep(3600)
+        if problem.problem_id in self.fail:
+            raise ValueError(f"verifier bug on {problem.problem_id}")
+        if problem.problem_id in self.crash:
+            os._exit(3)
+        time.sleep(self.delay_s)
+        return Score(float(len(completion) % 2), len(completion) % 2 == 1)

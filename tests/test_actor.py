@@ -1,0 +1,253 @@
+"""The actor loop: prompts that do not fit, admission with several actors, scoring off the
+decode path (slow, hanging, raising and crashing verifiers)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from fake_tasks import FakeTask
+from tiny_models import VOCAB, tiny_hf_model
+
+from pipelinerl.actor import Actor, Schedule
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.scoring import Scorer
+from pipelinerl.tasks.math import MathTask
+from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+
+
+class ListWriter:
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine:
+    """Stands in for an engine: every request finishes `length` decode steps after it was
+    added; the times of the steps are recorded."""
+
+    def __init__(self, capacity: int = 8, length: int = 3, step_s: float = 0.001) -> None:
+        self.version = 0
+        self.length, self.step_s = length, step_s
+        self._capacity = capacity
+        self.active: dict[str, list] = {}
+        self.requests_added = 0
+        self.step_times: list[float] = []
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def num_active(self) -> int:
+        return len(self.active)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.active[request.request_id] = [request, 0]
+        self.requests_added += 1
+
+    def step(self) -> list[GenerationOutput]:
+        self.step_times.append(time.monotonic())
+        time.sleep(self.step_s)
+        finished = []
+        for rid, entry in list(self.active.items()):
+            entry[1] += 1
+            if entry[1] == self.length:
+                del self.active[rid]
+                n = self.length
+                finished.append(GenerationOutput(rid, entry[0].prompt_ids, [3] * n, [-0.5] * n,
+                                                 [self.version] * n, "length"))
+        return finished
+
+
+class FakeReceiver:
+    """Stands in for a weight channel: hands the fake trainer's version over, copies nothing."""
+
+    def __init__(self, published: list[int]) -> None:
+        self.published = published  # [latest version], shared with the fake trainer
+        self.received = 0
+
+    def poll(self) -> int | None:
+        return self.published[0] if self.published[0] > self.received else None
+
+    def receive_into(self, targets: Any) -> int:
+        self.received = self.published[0]
+        return self.received
+
+    def close(self) -> None:
+        pass
+
+
+def encode(text: str) -> list[int]:
+    return [1 + ord(c) % (VOCAB - 1) for c in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def stop_after(seconds: float, also: Callable[[], bool] = lambda: False) -> Callable[[], bool]:
+    deadline = time.monotonic() + seconds
+    return lambda: also() or time.monotonic() > deadline
+
+
+def make_actor(engine: Any, task: Any, schedule: Schedule, **kwargs: Any) -> Actor:
+    args: dict[str, Any] = dict(
+        engine=engine, task=task, encode=encode, decode=decode,
+        sampling=SamplingParams(max_new_tokens=8, stop_token_ids=(0,)),
+        schedule=schedule, writer=ListWriter(), receiver=None,
+        should_stop=stop_after(30), max_seq_len=40, verifier_timeout_s=5.0, verifier_workers=1,
+    )
+    return Actor(**{**args, **kwargs})
+
+
+def torch_engine(capacity: int) -> TorchEngine:
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, capacity=capacity, max_seq_len=40)
+    engine.load_weights(hf.state_dict(), version=0)
+    return engine
+
+
+# ---- prompts longer than the engine takes ------------------------------------------------
+
+
+def test_long_prompt_is_skipped_counted_and_takes_no_quota(tmp_path, caplog):
+    rows = [{"problem": "1+1", "answer": "2"}, {"problem": "9" * 100, "answer": "9"},
+            {"problem": "2+2", "answer": "4"}]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = MathTask(str(data), prompt_template="{problem}")
+    # max_lag 0, no trainer: exactly the 2 groups of step 0 may ever start. A skipped prompt
+    # that took one of their places would leave the run one group short for ever.
+    schedule = Schedule(batch_size=8, group_size=4, max_lag=0)
+    actor = make_actor(torch_engine(capacity=8), task, schedule)
+    with caplog.at_level(logging.WARNING, logger="pipelinerl.actor"):
+        actor.run(max_groups=2)
+    groups = actor.writer.records
+    assert len(groups) == 2 and {g["prompt"] for g in groups} <= {"1+1", "2+2"}
+    assert actor.stats.skipped["prompt_too_long"] >= 1
+    assert actor.stats.skipped_ids["prompt_too_long"] == {"math:2"}
+    warnings = [r.getMessage() for r in caplog.records if "too long" in r.getMessage()]
+    assert len(warnings) == 1  # once, however many times such prompts are drawn
+    assert all(s in warnings[0] for s in ("math:2", "100 tokens", "at most 32",
+                                          "engine.max_seq_len", "engine.max_new_tokens"))
+
+
+def test_only_long_prompts_fail_loudly_naming_the_keys():
+    schedule = Schedule(batch_size=4, group_size=4, max_lag=0)
+    actor = make_actor(FakeEngine(), FakeTask(prompt="x" * 50), schedule)
+    with pytest.raises(RuntimeError, match=r"engine\.max_seq_len.*engine\.max_new_tokens"):
+        actor.run(max_groups=1)
+
+
+# ---- admission with several actors ---------------------------------------------------------
+
+
+def test_two_actors_with_max_lag_0_fill_every_batch_with_a_fake_trainer():
+    """Issue 8: B=24, G=8, two actors, max_lag=0 stalled at step 0 (16 of 24 samples admitted).
+    Real actors and engines in threads; a fake trainer takes 3 groups per step and hands the
+    new version to both through fake weight channels."""
+    published = [0]
+    done = threading.Event()
+    writer = ListWriter()
+    actors = [
+        make_actor(torch_engine(capacity=16), FakeTask(), writer=writer,
+                   schedule=Schedule(batch_size=24, group_size=8, max_lag=0, num_actors=2, actor_id=a),
+                   receiver=FakeReceiver(published), actor_id=a, should_stop=done.is_set)
+        for a in range(2)
+    ]
+    threads = [threading.Thread(target=a.run) for a in actors]
+    for t in threads:
+        t.start()
+    trained: list[list[str]] = []
+    deadline = time.monotonic() + 60
+    try:
+        while len(trained) < 3 and time.monotonic() < deadline:
+            if len(writer.records) >= 3 * (len(trained) + 1):
+                batch = writer.records[3 * len(trained):3 * (len(trained) + 1)]
+                trained.append([g["group_id"] for g in batch])
+                published[0] = len(trained)
+            time.sleep(0.01)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert len(trained) == 3, f"stalled at step {len(trained)} with {len(writer.records)} groups"
+    # Each step's groups were started under the weights of that very step (max_lag 0).
+    for step, ids in enumerate(trained):
+        versions = {v for g in writer.records if g["group_id"] in ids
+                    for s in g["samples"] for v in s["versions"][:1]}
+        assert versions == {step}
+
+
+# ---- scoring off the decode path ---------------------------------------------------------
+
+
+def test_slow_verifier_does_not_stall_engine_steps():
+    # 4 attempts x 0.6 s: scoring a group inline would stop decoding for 2.4 s.
+    schedule = Schedule(batch_size=4, group_size=4, max_lag=1_000)
+    engine = FakeEngine(capacity=8, length=20, step_s=0.005)
+    actor = make_actor(engine, FakeTask(delay_s=0.6), schedule, verifier_workers=2)
+    started = time.monotonic()
+    actor.run(max_groups=2)  # until the scores of two groups are in
+    times = [started, *engine.step_times, time.monotonic()]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert actor.stats.groups_published >= 2
+    assert max(gaps) < 0.6, f"decoding stalled for {max(gaps):.2f} s"
+
+
+def test_group_waiting_for_scores_still_holds_its_place():
+    # max_lag 0, one group per step, no trainer: exactly one group may ever start, even after
+    # it has left the engine and waits for its scores.
+    schedule = Schedule(batch_size=4, group_size=4, max_lag=0)
+    engine = FakeEngine(capacity=8)
+    actor = make_actor(engine, FakeTask(delay_s=0.3), schedule, should_stop=stop_after(1.5))
+    actor.run()
+    assert engine.requests_added == 4 and actor.stats.groups_published == 1
+
+
+def test_hanging_verifier_is_killed_counted_and_the_run_goes_on(tmp_path):
+    task = FakeTask(hang=frozenset({"fake:0"}), pid_dir=str(tmp_path))
+    schedule = Schedule(batch_size=2, group_size=2, max_lag=1_000)
+    seen: dict[str, bool] = {}
+
+    def check_hung_worker() -> bool:
+        # The moment the timeout is counted, the process that hung must be gone.
+        if actor.stats.skipped["verifier_timeout"] and "alive" not in seen:
+            pid = next(tmp_path.iterdir()).name
+            seen["alive"] = Path(f"/proc/{pid}").exists()
+        return False
+
+    actor = make_actor(FakeEngine(), task, schedule, verifier_timeout_s=0.5,
+                       should_stop=stop_after(30, check_hung_worker))
+    actor.run(max_groups=3)
+    assert actor.stats.skipped["verifier_timeout"] == 1
+    assert seen == {"alive": False}
+    assert actor.stats.groups_published >= 3
+
+
+def test_raising_and_crashing_verifiers_are_counted_and_the_run_goes_on():
+    task = FakeTask(fail=frozenset({"fake:0"}), crash=frozenset({"fake:1"}))
+    schedule = Schedule(batch_size=2, group_size=2, max_lag=1_000)
+    actor = make_actor(FakeEngine(), task, schedule)
+    actor.run(max_groups=3)
+    assert actor.stats.skipped["verifier_error"] == 1
+    assert actor.stats.skipped["verifier_crash"] == 1
+    assert actor.stats.groups_published >= 3
+    assert actor.stats.skipped_ids["verifier_error"] == {"fake:0"}
+
+
+def test_a_task_that_cannot_reach_the_workers_is_refused_at_start():
+    task = FakeTask()
+    task.lock = threading.Lock()  # not picklable
+    with pytest.raises(TypeError, match="picklable.*bounds_score_time"):
+        Scorer(task, timeout_s=1.0)

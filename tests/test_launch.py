@@ -1,0 +1,243 @@
+"""The launcher's life cycle: signals at any moment, the final save, a role's cleanup."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipelinerl.launch as launch_module
+from pipelinerl.config import load_config
+from pipelinerl.launch import launch
+from pipelinerl.models.hf import save_model
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
+
+# A stand-in for `python -m pipelinerl.cli trainer|actor CONFIG`: it marks itself started,
+# the trainer "trains" for FAKE_TRAIN_S and leaves a stop file, actors leave once it is there;
+# each spends FAKE_CLEANUP_S in its `finally`, as a real role closes its streams and channels.
+_FAKE_ROLE = """
+import os, sys, time
+from pathlib import Path
+from pipelinerl.launch import install_role_signal_handlers
+
+install_role_signal_handlers()
+role = next(a for a in sys.argv if a in ("trainer", "actor"))
+run_dir = Path(sys.argv[sys.argv.index(role) + 1]).parent
+(run_dir / f"{os.getpid()}.started").touch()
+try:
+    if role == "trainer":
+        time.sleep(float(os.environ["FAKE_TRAIN_S"]))
+        (run_dir / "fake-stop").touch()
+    else:
+        while not (run_dir / "fake-stop").exists():
+            time.sleep(0.02)
+except KeyboardInterrupt:
+    sys.exit(130)
+finally:
+    time.sleep(float(os.environ["FAKE_CLEANUP_S"]))
+"""
+
+# The launcher as `pipelinerl train` runs it, except that every role it spawns with
+# `sys.executable -m pipelinerl.cli ...` runs the fake role above.
+_LAUNCHER = """
+import sys
+from pipelinerl.cli import main
+
+sys.executable = sys.argv[1]
+sys.exit(main(sys.argv[2:]))
+"""
+
+# Moments to press Ctrl-C at: a random time (up to the jitter) after what marks the start of
+# each phase, and how soon the launcher must then be gone. Before any role starts, an import
+# in C code (the model check imports torch) delays Python's handling of a signal by seconds;
+# once roles run, a role stops on SIGTERM well inside its 10 s grace, and a second Ctrl-C
+# does not wait for the 30 s cleanup of roles that would not stop.
+_PHASES = {
+    "launcher imports": (None, 0.6, 15.0),
+    "launcher start-up": ("config.yaml", 0.5, 15.0),  # run directory made, model checked next
+    "roles start": ("logs/actor_1.log", 0.3, 5.0),  # the last role was just spawned
+    "roles run": ("*.started", 1.0, 5.0),
+    "run ends by itself": ("fake-stop", 0.4, 5.0),
+}
+
+
+def _leftover(marker: Path) -> str:
+    found = subprocess.run(["pgrep", "-af", str(marker)], capture_output=True, text=True)
+    return found.stdout.strip()
+
+
+def _await_phase(proc: subprocess.Popen, run_dir: Path, pattern: str | None) -> None:
+    deadline = time.monotonic() + 60
+    while pattern is not None and not any(run_dir.glob(pattern)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {pattern} in {run_dir}: {proc.communicate()[1]}")
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_fake_roles_launcher_exits_promptly_after_sigint_at_random_moments(tmp_path: Path):
+    from transformers import Qwen2Config
+
+    model = tmp_path / "model"  # a config is all the launcher reads; the fake roles load nothing
+    Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, intermediate_size=32, vocab_size=20).save_pretrained(model)
+    fake_role = tmp_path / "fake_role.py"
+    fake_role.write_text(_FAKE_ROLE)
+    fake_python = tmp_path / "fake_python"
+    fake_python.write_text(f'#!/bin/sh\nexec {sys.executable} {fake_role} "$@"\n')
+    fake_python.chmod(0o755)
+    rng = random.Random(13)
+    for trial in range(15):
+        phase = list(_PHASES)[trial % len(_PHASES)]
+        pattern, jitter, bound_s = _PHASES[phase]
+        # A third of the trials press Ctrl-C twice, with roles whose cleanup would otherwise
+        # take 30 s; half signal the whole foreground group, as a terminal does.
+        twice = rng.random() < 1 / 3
+        to_group = rng.random() < 0.5
+        # Every other run has the launcher start its own redis-server, which must go too.
+        stream = "redis" if trial % 2 and shutil.which("redis-server") else "local"
+        out = tmp_path / f"runs{trial}"
+        env = {**os.environ, "FAKE_TRAIN_S": "1.0", "FAKE_CLEANUP_S": "30" if twice else "0.3"}
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, str(fake_python), "train", str(EXAMPLE),
+             f"output_dir={out}", f"model.path={model}", "actor.num_actors=2",
+             f"stream.backend={stream}", "metrics.progress=false"],
+            env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
+        )
+        _await_phase(proc, out / "arithmetic", pattern)
+        delay = rng.uniform(0.0, jitter)
+        what = f"trial {trial}: SIGINT {delay:.2f} s into {phase}{' twice' if twice else ''}"
+        time.sleep(delay)
+        send = (lambda: os.killpg(proc.pid, signal.SIGINT)) if to_group else (
+            lambda: os.kill(proc.pid, signal.SIGINT))
+        send()
+        if twice:
+            time.sleep(rng.uniform(0.0, 0.5))
+            send()
+        sent_at = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{what}: the launcher hung\n{_leftover(out)}")
+        took, code = time.monotonic() - sent_at, proc.returncode
+        # Dying of SIGINT (-2) is how Python ends on Ctrl-C while it starts or winds down; a
+        # shell reports 130 for both. A KeyboardInterrupt escaping the launcher once the run
+        # directory exists is what must never happen: it leaves roles unsupervised.
+        escaped = 'File "<string>"' in err  # a traceback through the launcher script
+        assert code in (0, 130, -signal.SIGINT), f"{what}: exit code {code}\n{err}"
+        assert not (escaped and out.exists()), f"{what}: interrupt escaped\n{err}"
+        assert took < bound_s, f"{what}: took {took:.1f} s to exit"
+        assert _leftover(out) == "", f"{what}: roles left running"
+
+
+_CLEANUP_SCRIPT = """
+import sys, time
+from pathlib import Path
+from pipelinerl.launch import install_role_signal_handlers
+
+install_role_signal_handlers()
+done = Path(sys.argv[1])
+try:
+    Path(str(done) + ".ready").touch()
+    time.sleep(60)
+except KeyboardInterrupt:
+    pass
+finally:
+    time.sleep(1.0)  # closing streams, writing the stop record...
+    done.write_text("cleaned up")
+"""
+
+
+def test_role_cleanup_survives_a_sigterm_after_the_first_sigint(tmp_path: Path):
+    # A terminal's Ctrl-C reaches a hand-started role, then its scheduler's SIGTERM follows:
+    # the second signal must not cut the first one's cleanup short.
+    done = tmp_path / "done"
+    proc = subprocess.Popen([sys.executable, "-c", _CLEANUP_SCRIPT, str(done)])
+    deadline = time.monotonic() + 30
+    while not Path(str(done) + ".ready").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert done.read_text() == "cleaned up"
+
+
+class _FailingTokenizer:
+    """Fails half-way through a save, after the model's files are written."""
+
+    def save_pretrained(self, path: str) -> None:
+        raise OSError("disk full")
+
+
+class _Tokenizer:
+    def save_pretrained(self, path: str) -> None:
+        (Path(path) / "tokenizer.json").write_text("{}")
+
+
+def test_fake_failing_tokenizer_save_leaves_no_partial_final_directory(tmp_path: Path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         intermediate_size=32, vocab_size=20))
+    final = tmp_path / "final"
+    with pytest.raises(OSError, match="disk full"):
+        save_model(model, _FailingTokenizer(), final)
+    assert list(tmp_path.iterdir()) == []  # neither final/ nor a temporary directory
+    save_model(model, _Tokenizer(), final)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_model(model, _Tokenizer(), final)  # replaces the previous final/ as a whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert (final / "tokenizer.json").exists() and (final / "config.json").exists()
+
+
+# Installed into every role through PYTHONPATH: the trainer's tokenizer save (the end of
+# `save_model`, after the weights are written) takes FAKE_SLOW_SAVE_S longer.
+_SLOW_SAVE = """
+import os, time
+import transformers
+
+_save = transformers.PreTrainedTokenizerBase.save_pretrained
+
+def _slow_save(self, *args, **kwargs):
+    time.sleep(float(os.environ["FAKE_SLOW_SAVE_S"]))
+    return _save(self, *args, **kwargs)
+
+transformers.PreTrainedTokenizerBase.save_pretrained = _slow_save
+"""
+
+
+@pytest.mark.slow
+def test_fake_slow_final_save_completes_before_the_actors_are_told_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SLOW_SAVE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("FAKE_SLOW_SAVE_S", "8")
+    monkeypatch.setattr(launch_module, "ACTORS_GONE_GRACE_S", 2.0)
+    cfg = load_config(EXAMPLE, [
+        "name=slowsave", f"output_dir={tmp_path / 'runs'}",
+        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20",
+        "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
+        "trainer.max_steps=2", "metrics.progress=false", "metrics.plot=false",
+    ])
+    assert launch(cfg) == 0
+    tok = AutoTokenizer.from_pretrained(cfg.run_dir / "final", local_files_only=True)
+    assert tok.eos_token_id is not None
