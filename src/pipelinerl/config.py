@@ -17,8 +17,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    # A local Hugging Face directory (Qwen2 / Llama). Empty: build a tiny model for the task
-    # and warm-start it (see `warmstart`).
+    # A local Hugging Face directory (Llama, Mistral, Qwen2, Qwen3). Empty: build a tiny model
+    # for the task and warm-start it (see `warmstart`).
     path: str = ""
     preset: Literal["tiny", "small"] = "tiny"
 
@@ -71,9 +71,39 @@ class ActorConfig(_Section):
 
 
 class LossConfig(_Section):
-    kind: Literal["reinforce", "ppo"] = "reinforce"
+    """The policy-gradient loss; every recipe option is off by default (docs/algorithm.md)."""
+
+    kind: Literal["reinforce", "ppo", "gspo"] = "reinforce"
     is_clip: float = Field(default=5.0, gt=0, description="c in min(rho, c)")
     ppo_eps: float = Field(default=0.2, gt=0)
+    # Asymmetric clipping (ppo, gspo): the ratio is clipped to [1 - eps_low, 1 + eps_high].
+    ppo_eps_low: float | None = Field(default=None, gt=0, description="None: ppo_eps")
+    ppo_eps_high: float | None = Field(default=None, gt=0, description="None: ppo_eps")
+    # sum_per_sequence: sum over tokens / sequences in the step (the paper);
+    # token_mean: sum over tokens / trained tokens in the step (DAPO).
+    aggregate: Literal["sum_per_sequence", "token_mean"] = "sum_per_sequence"
+    # Masked importance sampling (reinforce, ppo): tokens whose rho leaves [lo, hi] get no
+    # gradient. None: off.
+    is_mask: tuple[float, float] | None = None
+
+    @property
+    def eps_low(self) -> float:
+        return self.ppo_eps if self.ppo_eps_low is None else self.ppo_eps_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.ppo_eps if self.ppo_eps_high is None else self.ppo_eps_high
+
+    @model_validator(mode="after")
+    def _check_options(self) -> "LossConfig":
+        if self.is_mask is not None and not 0 <= self.is_mask[0] < 1 < self.is_mask[1]:
+            raise ValueError(f"is_mask {list(self.is_mask)} must be [lo, hi] with 0 <= lo < 1 < hi: "
+                             "on-policy tokens (rho = 1) must keep their gradient")
+        if self.is_mask is not None and self.kind == "gspo":
+            raise ValueError("is_mask is per token; gspo clips a per-sequence ratio instead")
+        if self.kind == "gspo" and self.aggregate != "sum_per_sequence":
+            raise ValueError("gspo's terms are per sequence: use aggregate=sum_per_sequence")
+        return self
 
 
 class AdvantageConfig(_Section):
@@ -86,6 +116,11 @@ class TrainerConfig(_Section):
     max_steps: int = Field(default=200, gt=0)
     max_time_s: float = Field(default=0.0, ge=0, description="stop after this wall-clock; 0: no limit")
     lr: float = Field(default=1e-4, gt=0)
+    # Multiplier of lr per optimizer step: a linear warm-up over warmup_steps, then constant,
+    # or decaying to 0 at max_steps (linear, cosine). A run bounded by max_time_s stops earlier
+    # but the schedule's horizon stays max_steps.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(default=1.0, gt=0)
