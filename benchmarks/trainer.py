@@ -121,7 +121,7 @@ def packed_loss(model: Any, samples: list[Any], advantages: torch.Tensor, row_to
     for batch in pack(samples, advantages, row_tokens):
         new = token_logprobs(model, batch)
         loss = reinforce_tis_loss(new, batch.old_logprobs, batch.advantages,
-                                  num_sequences=len(samples), clip_c=IS_CLIP)
+                                  normalizer=len(samples), clip_c=IS_CLIP)
         loss.backward()
         total += loss.item()
     return total

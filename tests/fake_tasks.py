@@ -48,3 +48,19 @@ class FakeTask:
             os._exit(3)
         time.sleep(self.delay_s)
         return Score(float(len(completion) % 2), len(completion) % 2 == 1)
+
+
+class DiesAtStartTask(FakeTask):
+    """Kills the verifier worker that unpickles it: always, or only the first one (it leaves
+    a mark in `mark_dir`). A worker dying at start makes pebble mark its pool broken."""
+
+    def __init__(self, mark_dir: str, always: bool) -> None:
+        super().__init__()
+        self.mark_dir, self.always = mark_dir, always
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        mark = Path(self.mark_dir) / "died"
+        if self.always or not mark.exists():
+            mark.touch()
+            os._exit(1)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from fake_tasks import FakeTask
+from fake_tasks import DiesAtStartTask, FakeTask
 from tiny_models import VOCAB, tiny_hf_model
 
 from pipelinerl.actor import Actor, Schedule
@@ -251,3 +252,41 @@ def test_a_task_that_cannot_reach_the_workers_is_refused_at_start():
     task.lock = threading.Lock()  # not picklable
     with pytest.raises(TypeError, match="picklable.*bounds_score_time"):
         Scorer(task, timeout_s=1.0)
+
+
+
+def _score_all(scorer: Scorer, task: FakeTask, keys: list[str]) -> dict[str, str]:
+    """Submits one group per key and waits for every outcome (reason; "" when scored)."""
+    for key in keys:
+        scorer.submit(key, task.sample_problem(random.Random(0)), ["x", "y"])
+    outcomes: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while len(outcomes) < len(keys) and time.monotonic() < deadline:
+        outcomes.update((s.key, s.reason) for s in scorer.poll())
+        scorer.wait(0.1)
+    return outcomes
+
+
+def test_scorer_replaces_a_broken_pool_and_counts_its_groups_as_crashes(tmp_path):
+    # The first worker dies at start: pebble marks the pool broken ("All workers expired") and
+    # fails its tasks; the groups are counted crashes and a new pool scores the later ones.
+    task = DiesAtStartTask(str(tmp_path), always=False)
+    scorer = Scorer(task, timeout_s=5.0, workers=1)
+    try:
+        first = _score_all(scorer, task, ["g0"])
+        later = _score_all(scorer, task, ["g1", "g2"])
+    finally:
+        scorer.close()
+    assert first == {"g0": "verifier_crash"}
+    assert later == {"g1": "", "g2": ""}
+
+
+def test_scorer_stops_loudly_when_workers_can_never_start(tmp_path):
+    task = DiesAtStartTask(str(tmp_path), always=True)
+    scorer = Scorer(task, timeout_s=5.0, workers=1)
+    try:
+        with pytest.raises(RuntimeError, match="keep dying.*fresh Python process"):
+            for i in range(10):
+                assert _score_all(scorer, task, [f"g{i}"]) == {f"g{i}": "verifier_crash"}
+    finally:
+        scorer.close()

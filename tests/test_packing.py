@@ -198,7 +198,7 @@ def test_chunked_logprobs_gradient(truncation: tuple[int, float] | None) -> None
     weights = torch.randn(5, generator=g, dtype=torch.float64)
     t = 0.6
     # chunk of 2 tokens forces three chunks, the last one partial
-    got = _SelectedLogprobs.apply(logits, rows, targets, t, 2, truncation)
+    got, _ = _SelectedLogprobs.apply(logits, rows, targets, t, 2, truncation)
     (got.double() * weights).sum().backward()
     got_grad = logits.grad.clone()
     logits.grad = None
@@ -222,5 +222,5 @@ def test_sampled_token_outside_the_kept_set_stays_finite() -> None:
     then taken with the token added to the kept set, not -inf."""
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     # top-1 keeps token 0 only; the sampled token 3 joins it: log(e^0 / (e^3 + e^0))
-    lp = _SelectedLogprobs.apply(logits, torch.tensor([0]), torch.tensor([3]), 1.0, 1, (1, 1.0))
+    lp, _ = _SelectedLogprobs.apply(logits, torch.tensor([0]), torch.tensor([3]), 1.0, 1, (1, 1.0))
     torch.testing.assert_close(lp, -torch.log1p(torch.tensor([math.exp(3.0)])))

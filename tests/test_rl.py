@@ -91,7 +91,7 @@ def tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def test_reinforce_tis_value_and_gradient() -> None:
     new, old, adv = tensors()
-    loss = reinforce_tis_loss(new, old, adv, num_sequences=2, clip_c=5.0)
+    loss = reinforce_tis_loss(new, old, adv, normalizer=2, clip_c=5.0)
     # weights min(rho, 5) = (2, 5, 0.5): token 1's rho = 10 is truncated, the others are not.
     # J = 2*1*(-1) + 5*1*(-2) + 0.5*(-2)*(-0.5) = -2 - 10 + 0.5 = -11.5;  loss = 11.5 / 2
     close(loss, 5.75)
@@ -104,7 +104,7 @@ def test_reinforce_tis_value_and_gradient() -> None:
 def test_reinforce_tis_mask() -> None:
     new, old, adv = tensors()
     mask = torch.tensor([True, False, True])
-    loss = reinforce_tis_loss(new, old, adv, num_sequences=2, mask=mask)
+    loss = reinforce_tis_loss(new, old, adv, normalizer=2, mask=mask)
     # J = -2 + 0.5 = -1.5;  loss = 0.75;  masked token gets no gradient
     close(loss, 0.75)
     loss.backward()
@@ -117,7 +117,7 @@ def test_ppo_clip_value_and_gradient() -> None:
     new = torch.cat([new.detach(), torch.tensor([-0.3], dtype=torch.float64)]).requires_grad_()
     old = torch.cat([old, torch.tensor([-0.3 - math.log(1.1)], dtype=torch.float64)])
     adv = torch.cat([adv, torch.tensor([1.0], dtype=torch.float64)])
-    loss = ppo_clip_loss(new, old, adv, num_sequences=3, eps=0.2)
+    loss = ppo_clip_loss(new, old, adv, normalizer=3, eps=0.2)
     # token 0: r=2,   A=1:  min(2, 1.2)        = 1.2  (clipped)
     # token 1: r=10,  A=1:  min(10, 1.2)       = 1.2  (clipped)
     # token 2: r=0.5, A=-2: min(-1, 0.8*(-2))  = -1.6 (clipped)
@@ -235,3 +235,210 @@ def test_stats_mask_and_empty() -> None:
     stats.add(lp, lp, lp, torch.tensor([0, 2]), 3, mask=torch.tensor([False, True]))
     m = stats.finalize()
     assert m["tokens"] == 1.0 and m["lag_max"] == 1.0 and "mismatch_abs_lag0" not in m
+
+
+# ---- off-policy health panel ------------------------------------------------------------
+
+
+def test_kl_k1_and_k3_on_known_logprobs() -> None:
+    # log rho = new - old = (0.5, -1.0)
+    # k1 = -log rho = (-0.5, 1.0): mean 0.25
+    # k3 = rho - 1 - log rho = (e^0.5 - 1.5, e^-1 - 1 + 1) = (0.1487213, 0.3678794): mean 0.2583003
+    old = torch.tensor([-2.0, -0.5], dtype=torch.float64)
+    new = old + torch.tensor([0.5, -1.0], dtype=torch.float64)
+    stats = LossStats()
+    stats.add(new, old, torch.zeros(2), torch.tensor([0, 0]), trainer_version=0)
+    m = stats.finalize()
+    close(m["kl_k1"], 0.25)
+    close(m["mismatch_k3"], 0.2583003, tol=1e-7)
+
+
+def test_lag_histogram_counts_tokens_per_lag_across_micro_batches() -> None:
+    # trainer at 5; versions (5, 5, 3) then (1, 6, 3) -> lags (0, 0, 2) then (4, -1, 2)
+    stats = LossStats()
+    lp = torch.zeros(3)
+    stats.add(lp, lp, lp, torch.tensor([5, 5, 3]), trainer_version=5)
+    stats.add(lp, lp, lp, torch.tensor([1, 6, 3]), trainer_version=5)
+    m = stats.finalize()
+    # -1 (a provenance bug) is counted, not hidden; keys are strings, JSON's key type.
+    assert m["lag_hist"] == {"-1": 1, "0": 2, "2": 2, "4": 1}
+    assert m["lag_max"] == 4.0
+    close(m["lag_mean"], (0 + 0 + 2 + 4 - 1 + 2) / 6)
+
+
+def test_lag_max_negative_when_every_token_is_from_the_future() -> None:
+    stats = LossStats()
+    stats.add(torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.tensor([7, 8]), 5)
+    assert stats.finalize()["lag_max"] == -2.0
+
+
+def test_entropy_mean_over_unmasked_tokens_and_absent_when_not_given() -> None:
+    lp = torch.zeros(3)
+    stats = LossStats()
+    stats.add(lp, lp, lp, torch.zeros(3, dtype=torch.long), 0,
+              mask=torch.tensor([True, False, True]), entropy=torch.tensor([1.0, 2.0, 4.0]))
+    stats.add(lp[:1], lp[:1], lp[:1], torch.zeros(1, dtype=torch.long), 0,
+              entropy=torch.tensor([0.5]))
+    close(stats.finalize()["entropy"], (1.0 + 4.0 + 0.5) / 3)
+    no_entropy = LossStats()
+    no_entropy.add(lp, lp, lp, torch.zeros(3, dtype=torch.long), 0)
+    assert "entropy" not in no_entropy.finalize()
+
+
+class _FixedLogitsModel(torch.nn.Module):
+    """A fake causal LM: the logits at input position p are row p of a fixed table."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(table)
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                **_: object) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.table[logits_to_keep][None])
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 1])  # plain autograd, and the chunked function
+def test_entropy_of_known_distributions_with_fake_model(chunk_tokens: int | None) -> None:
+    from pipelinerl.rl.packing import pack, score_tokens
+
+    ln2 = math.log(2)
+    # Position 0: probabilities (1/2, 1/4, 1/8, 1/8); position 1: uniform over 4.
+    table = torch.tensor([[math.log(p) for p in (0.5, 0.25, 0.125, 0.125)], [0.0] * 4])
+    model = _FixedLogitsModel(table)
+    sample = Sample(prompt_ids=[0], token_ids=[1, 2], logprobs=[0.0, 0.0], versions=[0, 0],
+                    reward=0.0, success=False, finish_reason="stop")
+    (batch,) = pack([sample], [1.0], max_tokens_per_row=16)
+
+    def entropy(**kw: object) -> list[float]:
+        scores = score_tokens(model, batch, chunk_tokens=chunk_tokens, **kw)
+        assert scores.logprobs.requires_grad and not scores.entropy.requires_grad
+        return scores.entropy.tolist()
+
+    # H = 1/2 ln 2 + 1/4 ln 4 + 2/8 ln 8 = 1.75 ln 2 = 1.2130076; uniform: ln 4 = 1.3862944
+    close(entropy(), [1.75 * ln2, 2 * ln2])
+    close(entropy(), [1.2130076, 1.3862944], tol=1e-6)
+    # Top-2 keeps (1/2, 1/4) renormalised to (2/3, 1/3): H = ln 3 - 2/3 ln 2 = 0.6365142.
+    # The uniform row ties at the boundary, so all 4 stay (engine.sampling): still ln 4.
+    close(entropy(top_k=2), [math.log(3) - 2 / 3 * ln2, 2 * ln2])
+    # Temperature 2 turns p into sqrt(p) renormalised.
+    q = [math.sqrt(p) for p in (0.5, 0.25, 0.125, 0.125)]
+    q = [x / sum(q) for x in q]
+    close(entropy(temperature=2.0), [-sum(x * math.log(x) for x in q), 2 * ln2])
+    # Top-p 0.5 keeps token 0 only, but the sampled token 1 always stays (`_keep_sampled`):
+    # scored under (2/3, 1/3) again. The uniform row keeps its tie: ln 4.
+    close(entropy(top_p=0.5), [math.log(3) - 2 / 3 * ln2, 2 * ln2])
+
+
+def _reduce_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks of `test_reduce_over_two_ranks_equals_one_rank_with_all_tokens`."""
+    import json
+
+    import torch.distributed as dist
+
+    from pipelinerl.rl.step import _reduce
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    stats = LossStats()
+    new, old, ver, ent = _two_rank_tokens()[rank]
+    stats.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent)
+    out, totals = _reduce(stats, {"loss": float(rank + 1)}, torch.device("cpu"))
+    with open(f"{out_dir}/{rank}.json", "w") as f:
+        json.dump({"stats": out.finalize(), "totals": totals}, f)
+    dist.destroy_process_group()
+
+
+def _two_rank_tokens() -> list[tuple[torch.Tensor, ...]]:
+    """Per rank: new, old log-probs, versions (trainer at 5), entropy; different lag ranges."""
+    return [
+        (torch.tensor([-1.0, -0.5, -2.0]), torch.tensor([-1.2, -0.5, -1.0]),
+         torch.tensor([5, 4, 4]), torch.tensor([0.3, 1.2, 0.9])),
+        (torch.tensor([-0.1, -3.0]), torch.tensor([-0.4, -2.5]),
+         torch.tensor([2, 6]), torch.tensor([2.0, 0.1])),
+    ]
+
+
+def test_reduce_over_two_ranks_equals_one_rank_with_all_tokens(tmp_path) -> None:
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_reduce_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    whole = LossStats()
+    for new, old, ver, ent in _two_rank_tokens():
+        whole.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent)
+    expected = whole.finalize()
+    assert expected["lag_hist"] == {"-1": 1, "0": 1, "1": 2, "3": 1}
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got["totals"] == {"loss": 3.0}
+        assert got["stats"]["lag_hist"] == expected["lag_hist"]
+        assert set(got["stats"]) == set(expected)
+        for key, value in expected.items():
+            if key != "lag_hist":
+                close(got["stats"][key], value, tol=1e-6)
+
+
+def test_completion_stats_truncated_fraction() -> None:
+    from pipelinerl.trainer import completion_stats
+
+    def sample(n: int, finish: str) -> Sample:
+        return Sample(prompt_ids=[0], token_ids=[1] * n, logprobs=[0.0] * n, versions=[0] * n,
+                      reward=0.0, success=False, finish_reason=finish)
+
+    # 2 of 5 hit max_new_tokens (finish_reason "length")
+    m = completion_stats([sample(8, "length"), sample(3, "stop"), sample(8, "length"),
+                          sample(1, "stop"), sample(5, "stop")])
+    assert m == {"completion_len_mean": 5.0, "completion_len_max": 8,
+                 "completion_truncated_frac": 0.4}
+
+
+def test_progress_bar_counts_seconds_under_max_time_s() -> None:
+    from pipelinerl.config import load_config
+    from pipelinerl.trainer import advance_progress, progress_bar
+
+    timed = load_config(None, ["trainer.max_time_s=600", "trainer.max_steps=100000"])
+    bar = progress_bar(timed, enabled=True)
+    assert (bar.total, bar.unit) == (600, "s")
+    advance_progress(bar, timed, 12.4)
+    assert bar.n == 12
+    advance_progress(bar, timed, 31.6)
+    assert bar.n == 32
+    advance_progress(bar, timed, 640.0)  # the last step may end past the bound
+    assert bar.n == 600
+    bar.close()
+    stepped = load_config(None, ["trainer.max_steps=50"])
+    bar = progress_bar(stepped, enabled=True)
+    assert (bar.total, bar.unit) == (50, "step")
+    advance_progress(bar, stepped, 12.4)
+    assert bar.n == 1
+    bar.close()
+
+
+def test_rl_step_reports_entropy_kl_and_lag_histogram_with_fake_model() -> None:
+    from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
+    from pipelinerl.rl.step import rl_step
+
+    ln2 = math.log(2)
+    # Both sequences (prompt 1 token, completion 2) share one packed row: positions 0-3.
+    row = [math.log(p) for p in (0.5, 0.25, 0.125, 0.125)]
+    model = _FixedLogitsModel(torch.tensor([row, [0.0] * 4, row, [0.0] * 4]))
+    # Trainer log-probs: token 1 at p(1/4), token 2 uniform, token 0 at 1/2, token 3 uniform;
+    # the engine's are 0.1 lower: log rho = 0.1 on every token.
+    samples = [
+        Sample(prompt_ids=[0], token_ids=[1, 2], logprobs=[math.log(0.25) - 0.1] * 2,
+               versions=[1, 1], reward=1.0, success=True, finish_reason="stop"),
+        Sample(prompt_ids=[0], token_ids=[0, 3], logprobs=[math.log(0.5) - 0.1,
+               math.log(0.25) - 0.1], versions=[0, 0], reward=0.0, success=False,
+               finish_reason="stop"),
+    ]
+    cfg = Config(engine=EngineConfig(temperature=1.0, top_k=0, top_p=1.0),
+                 actor=ActorConfig(group_size=2),
+                 trainer=TrainerConfig(batch_size=2, max_tokens_per_row=64))
+    m = rl_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                [Group(group_id="g", prompt="p", samples=samples)], cfg, trainer_version=1)
+    close(m["entropy"], (1.75 * ln2 + 2 * ln2) / 2, tol=1e-6)  # mean over the 4 tokens
+    close(m["kl_k1"], -0.1, tol=1e-6)
+    close(m["mismatch_k3"], math.exp(0.1) - 1.1, tol=1e-6)
+    assert m["lag_hist"] == {"0": 2, "1": 2}

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from queue import Empty, SimpleQueue
 
@@ -33,6 +34,9 @@ from pipelinerl.tasks.base import Problem, Score, Task
 log = logging.getLogger(__name__)
 
 _worker_task: Task | None = None  # the task, in a worker process
+# Pools that broke in a row with no verification finished between them: beyond this, the
+# workers cannot start at all and the actor stops with an error instead of counting forever.
+MAX_POOL_BREAKS_IN_A_ROW = 3
 
 
 def _load_task(task: Task) -> None:
@@ -67,6 +71,8 @@ class Scorer:
     def __init__(self, task: Task, timeout_s: float, workers: int = 2) -> None:
         self.task = task
         self.timeout_s = timeout_s
+        self.workers = workers
+        self._breaks_in_a_row = 0
         self._jobs: dict[str, _Job] = {}
         # Finished verifications, (group key, future), put by the futures' callbacks: `poll`
         # looks only at what finished, never scans what is still running.
@@ -84,24 +90,55 @@ class Scorer:
                 "make it picklable, or, if its score() is thread-safe and bounds its own time, "
                 "set bounds_score_time = True on it"
             ) from None
+        self._processes = self._new_pool()
+
+    def _new_pool(self) -> ProcessPool:
         # spawn: a worker never inherits the actor's threads, CUDA context or engine memory.
-        self._processes = ProcessPool(
-            workers, initializer=_load_task, initargs=(task,),
-            context=multiprocessing.get_context("spawn"),
-        )
+        return ProcessPool(self.workers, initializer=_load_task, initargs=(self.task,),
+                           context=multiprocessing.get_context("spawn"))
+
+    def _live_pool(self) -> ProcessPool:
+        """The process pool, replaced if pebble marked it broken: that happens when a worker
+        dies before the pool's manager saw its task start (a verifier that kills its process at
+        once, under load) or when workers die at start; every task then fails with
+        BrokenProcessPool (counted as crashes) and the pool refuses new ones."""
+        assert self._processes is not None
+        if self._processes.active:
+            return self._processes
+        self._breaks_in_a_row += 1
+        if self._breaks_in_a_row > MAX_POOL_BREAKS_IN_A_ROW:
+            raise RuntimeError(
+                f"the verifier worker processes of task {self.task.name!r} keep dying: "
+                f"{self._breaks_in_a_row} pools in a row broke before any verification finished. "
+                "Workers start with 'spawn': check that the task's module imports and its score() "
+                "runs in a fresh Python process"
+            )
+        log.warning("the verifier pool of task %s broke (a worker died before its task started, "
+                    "or at start): starting a new one", self.task.name)
+        self._processes.stop()
+        self._processes = self._new_pool()
+        return self._processes
 
     def submit(self, key: str, problem: Problem, completions: list[str]) -> None:
         if self._threads is not None:
             futures = [self._threads.submit(self.task.score, problem, c) for c in completions]
         else:
-            assert self._processes is not None
-            futures = [
-                self._processes.schedule(_score_in_worker, (problem, c), timeout=self.timeout_s)
-                for c in completions
-            ]
+            pool = self._live_pool()
+            try:
+                futures = self._schedule(pool, problem, completions)
+            except RuntimeError:
+                if pool.active:
+                    raise
+                # It broke between the check and the call.
+                futures = self._schedule(self._live_pool(), problem, completions)
         self._jobs[key] = _Job(problem, futures, len(futures))
         for future in futures:
             future.add_done_callback(lambda f, key=key: self._finished.put((key, f)))
+
+    def _schedule(self, pool: ProcessPool, problem: Problem, completions: list[str]
+                  ) -> list[Future]:
+        return [pool.schedule(_score_in_worker, (problem, c), timeout=self.timeout_s)
+                for c in completions]
 
     def poll(self) -> list[Scored]:
         """The groups whose outcome is known, without waiting."""
@@ -118,6 +155,7 @@ class Scorer:
                 ready.append(Scored(key, None, reason))
                 del self._jobs[key]
                 continue
+            self._breaks_in_a_row = 0
             job.remaining -= 1
             if job.remaining == 0:
                 ready.append(Scored(key, [f.result() for f in job.futures]))
@@ -138,6 +176,8 @@ class Scorer:
             return ""
         if isinstance(exc, TimeoutError):
             return "verifier_timeout"
+        if isinstance(exc, BrokenProcessPool):
+            return "verifier_crash"  # the pool broke (see _live_pool): counted like a crash
         if isinstance(exc, ProcessExpired):
             log.warning("verifier process of task %s died on problem %s (exit code %s)",
                         self.task.name, job.problem.problem_id, exc.exitcode)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from pipelinerl.config import Config
+from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import WeightSender
 from pipelinerl.types import Group, Sample
@@ -134,6 +135,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
         )
+        self.scheduler = make_scheduler(self.optimizer, tc)
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
         self.samples_trained = 0
         self.started_at = time.monotonic()
@@ -164,6 +166,7 @@ class Trainer:
         t0 = time.monotonic()
         metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
                           num_sequences=num_sequences)
+        self.scheduler.step()
         self.compute_s += time.monotonic() - t0
         self.step += 1
         self.samples_trained += num_sequences or sum(len(g.samples) for g in groups)
@@ -184,15 +187,13 @@ class Trainer:
         success = sum(s.success for s in samples) / len(samples)
         self.success_ema = success if self.success_ema is None else 0.9 * self.success_ema + 0.1 * success
         elapsed = time.monotonic() - self.started_at
-        lengths = [len(s.token_ids) for s in samples]
         record: dict[str, Any] = {
             "time_s": elapsed,
             "reward": sum(s.reward for s in samples) / len(samples),
             "success": success,
             "success_ema": self.success_ema,
             "samples_trained": self.samples_trained,
-            "completion_len_mean": sum(lengths) / len(lengths),
-            "completion_len_max": max(lengths),
+            **completion_stats(samples),
             "trainer_tokens_per_s": self.tokens_trained / max(self.compute_s, 1e-9),
             "trainer_wait_frac": self.source.wait_s / max(elapsed, 1e-9),
             "publish_s": self.publish_s,
@@ -201,6 +202,36 @@ class Trainer:
         }
         record.update(_aggregate_actor_stats(self.source.actor_stats))
         return record
+
+
+def completion_stats(samples: list[Sample]) -> dict[str, float]:
+    """Completion lengths, and the fraction cut at engine.max_new_tokens (finish_reason
+    "length": no stop token, the answer may be incomplete)."""
+    lengths = [len(s.token_ids) for s in samples]
+    return {
+        "completion_len_mean": sum(lengths) / len(lengths),
+        "completion_len_max": max(lengths),
+        "completion_truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
+def progress_bar(cfg: Config, enabled: bool) -> tqdm:
+    """Counts wall-clock seconds when the run is bounded by trainer.max_time_s (its step bound
+    is then usually a far-off default, and a bar over steps would estimate hours), else steps."""
+    tc = cfg.trainer
+    if tc.max_time_s:
+        return tqdm(total=round(tc.max_time_s), unit="s", desc="train", dynamic_ncols=True,
+                    disable=not enabled)
+    return tqdm(total=tc.max_steps, unit="step", desc="train", dynamic_ncols=True,
+                disable=not enabled)
+
+
+def advance_progress(bar: tqdm, cfg: Config, elapsed_s: float) -> None:
+    """One optimizer step done, `elapsed_s` after the trainer started."""
+    if cfg.trainer.max_time_s:
+        bar.update(min(round(elapsed_s), bar.total) - bar.n)
+    else:
+        bar.update(1)
 
 
 def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, float]:
@@ -293,8 +324,7 @@ def run_trainer(cfg: Config) -> None:
         control = open_control_writer(cfg)
     trainer = Trainer(cfg, wrapped, source, sender)
     batches = trainer.batches() if is_main else None
-    bar = tqdm(total=cfg.trainer.max_steps, desc="train", dynamic_ncols=True,
-               disable=not (cfg.metrics.progress and is_main))
+    bar = progress_bar(cfg, enabled=cfg.metrics.progress and is_main)
     try:
         while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, rank, world):
             groups = next(batches) if batches is not None else None
@@ -308,8 +338,9 @@ def run_trainer(cfg: Config) -> None:
             logger.log(trainer.step, record)
             audit.write(json.dumps({"step": trainer.step, "trained": [g.group_id for g in groups],
                                     "dropped": trainer.source.take_dropped_ids()}) + "\n")
-            bar.update(1)
-            bar.set_postfix(reward=f"{record['reward']:.2f}", success=f"{record['success_ema']:.2f}",
+            advance_progress(bar, cfg, record["time_s"])
+            bar.set_postfix(step=trainer.step, reward=f"{record['reward']:.2f}",
+                            success=f"{record['success_ema']:.2f}",
                             ess=f"{record.get('ess', float('nan')):.3f}",
                             lag=f"{record.get('lag_mean', float('nan')):.2f}")
         if is_main:

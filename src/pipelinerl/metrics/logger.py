@@ -35,7 +35,8 @@ class MetricsLogger:
     def log(self, step: int, values: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self._file.write(json.dumps(record) + "\n")
-        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        numeric = {k: v for k, v in scalars(record).items()
+                   if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
@@ -65,7 +66,21 @@ def _clean(value: Any) -> Any:
     # JSON has no NaN/inf; keep the file parseable by any reader.
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
     return value
+
+
+def scalars(record: dict[str, Any]) -> dict[str, Any]:
+    """One level of nesting flattened to `key/sub` names (e.g. `lag_hist/2`, the tokens of lag
+    2): the scalar names TensorBoard and W&B get, which group them under `key`."""
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{sub}": v for sub, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Plots a person can look at: success and ESS against wall-clock."""
+"""The run's health panel a person reads at a glance, every curve against wall-clock."""
 
 from __future__ import annotations
 
@@ -9,26 +9,99 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+# Panel titles, in reading order (left to right, top to bottom).
+PANELS = (
+    "success",
+    "ESS and entropy",
+    "lag (steps)",
+    "mismatch and KL(mu||pi)",
+    "throughput (tokens/s)",
+    "clipped and truncated",
+)
 
 
-def plot_run(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
-    t = [r["time_s"] for r in records]
-    fig, (ax_s, ax_e) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax_s.plot(t, [r["success"] for r in records], label="success (batch)", alpha=0.35)
-    if "success_ema" in records[0]:
-        ax_s.plot(t, [r["success_ema"] for r in records], label="success (EMA)")
-    ax_s.set_ylabel("success rate")
-    ax_s.set_ylim(0, 1)
-    ax_s.legend(loc="lower right")
-    ax_s.grid(alpha=0.3)
-    ax_e.plot(t, [r["ess"] for r in records], color="tab:green")
-    ax_e.set_ylabel("ESS")
-    ax_e.set_ylim(0, 1.05)
-    ax_e.set_xlabel("wall-clock (s)")
-    ax_e.grid(alpha=0.3)
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(time_s, value) of the records that hold `key` (actor stats and held-out accuracy come
+    only on some steps; JSONL null stands for a non-finite value)."""
+    pts = [(r["time_s"], r[key]) for r in records if r.get(key) is not None]
+    return [t for t, _ in pts], [v for _, v in pts]
+
+
+def _plot(ax: Axes, records: list[dict[str, Any]], key: str, label: str, **style: Any) -> bool:
+    t, y = _series(records, key)
+    if t:
+        ax.plot(t, y, label=label, **style)
+    return bool(t)
+
+
+def _success(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "success", "batch", alpha=0.35)
+    _plot(ax, records, "success_ema", "batch (EMA)")
+    _plot(ax, records, "heldout_success", "held-out", marker="o", color="tab:red")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="lower right", fontsize="small")
+
+
+def _ess_entropy(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "ess", "ESS", color="tab:green")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("ESS", color="tab:green")
+    right = ax.twinx()
+    _plot(right, records, "entropy", "entropy", color="tab:purple")
+    right.set_ylabel("entropy (nats/token)", color="tab:purple")
+
+
+def _lag(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "lag_mean", "mean")
+    _plot(ax, records, "lag_max", "max", alpha=0.6)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize="small")
+
+
+def _mismatch_kl(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "mismatch_abs", "|log pi - log mu|")
+    _plot(ax, records, "mismatch_abs_lag0", "same, lag 0", alpha=0.6)
+    _plot(ax, records, "mismatch_k3", "KL k3")
+    _plot(ax, records, "kl_k1", "KL k1", alpha=0.6)
+    ax.legend(loc="upper right", fontsize="small")
+
+
+def _throughput(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "actor_tokens_per_s", "actor")
+    _plot(ax, records, "trainer_tokens_per_s", "trainer")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right", fontsize="small")
+
+
+def _clipped(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "clip_frac", "tokens clipped")
+    _plot(ax, records, "completion_truncated_frac", "completions cut at max_new_tokens")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper right", fontsize="small")
+
+
+def panel_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
+    """The panel of a run's metrics.jsonl records: one subplot per entry of `PANELS`."""
+    fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
+    draw = (_success, _ess_entropy, _lag, _mismatch_kl, _throughput, _clipped)
+    for ax, name, fn in zip(axes.flat, PANELS, draw):
+        fn(ax, records)
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("wall-clock (s)")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_run(records: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """Write the panel (`panel_figure`) to `out` as a PNG; returns `out`."""
+    fig = panel_figure(records, title)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -4,15 +4,16 @@ All per-token tensors are flat and aligned: one entry per trained (completion) t
 `rl.packing` produces them. `old_logprobs` are the behaviour log-probs mu(a_t) the engine
 sampled with; `new_logprobs` are the trainer's log pi_theta(a_t) (with grad).
 
-Losses are SUMS over tokens divided by `num_sequences`, the number of sequences in the whole
-optimizer step (not in the micro-batch): the gradients of the micro-batches of a step then add
-up to exactly the gradient of the step computed in one piece.
+Losses are SUMS over tokens divided by `normalizer`, a constant of the whole optimizer step (not
+of the micro-batch): the number of sequences B (`trainer.loss.aggregate=sum_per_sequence`, the
+paper) or the number of trained tokens (`token_mean`, DAPO). The gradients of the micro-batches
+of a step then add up to exactly the gradient of the step computed in one piece.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -26,40 +27,81 @@ def _masked_sum(x: Tensor, mask: Tensor | None) -> Tensor:
     return x.sum() if mask is None else torch.where(mask, x, torch.zeros_like(x)).sum()
 
 
+def importance_mask(new_logprobs: Tensor, old_logprobs: Tensor, lo: float, hi: float) -> Tensor:
+    """Masked importance sampling: True for the tokens whose rho = pi / mu lies in [lo, hi];
+    the others get no gradient (`trainer.loss.is_mask`)."""
+    rho = torch.exp(new_logprobs.detach() - old_logprobs)
+    return (rho >= lo) & (rho <= hi)
+
+
 def reinforce_tis_loss(
     new_logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
-    num_sequences: int,
+    normalizer: float,
     clip_c: float = 5.0,
     mask: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE with truncated importance sampling (the PipelineRL paper's loss).
 
     J = sum_t stopgrad(min(rho_t, c)) * A_t * log pi(a_t), rho_t = exp(log pi - log mu);
-    loss = -J / num_sequences. The weight is detached, so d loss / d log pi(a_t) is exactly
-    -min(rho_t, c) * A_t / num_sequences.
+    loss = -J / normalizer. The weight is detached, so d loss / d log pi(a_t) is exactly
+    -min(rho_t, c) * A_t / normalizer.
     """
     rho = torch.exp(new_logprobs.detach() - old_logprobs).clamp(max=clip_c)
-    return -_masked_sum(rho * advantages * new_logprobs, mask) / num_sequences
+    return -_masked_sum(rho * advantages * new_logprobs, mask) / normalizer
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    return torch.minimum(ratio * advantages, ratio.clamp(1 - eps_low, 1 + eps_high) * advantages)
 
 
 def ppo_clip_loss(
     new_logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
-    num_sequences: int,
+    normalizer: float,
     eps: float = 0.2,
     mask: Tensor | None = None,
+    eps_high: float | None = None,
 ) -> Tensor:
     """PPO's clipped surrogate with the behaviour policy as the reference policy.
 
-    per token: -min(r * A, clip(r, 1 - eps, 1 + eps) * A), r = exp(log pi - log mu);
-    summed and divided by num_sequences.
+    per token: -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A), r = exp(log pi - log mu);
+    summed and divided by normalizer. eps_high None: eps (symmetric clipping).
     """
     ratio = torch.exp(new_logprobs - old_logprobs)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)
-    return -_masked_sum(surrogate, mask) / num_sequences
+    high = eps if eps_high is None else eps_high
+    return -_masked_sum(_clipped_surrogate(ratio, advantages, eps, high), mask) / normalizer
+
+
+def gspo_loss(
+    new_logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    seq_idx: Tensor,
+    normalizer: float,
+    eps: float = 0.2,
+    mask: Tensor | None = None,
+    eps_high: float | None = None,
+) -> Tensor:
+    """GSPO (Zheng et al. 2025): PPO's clipped surrogate on a sequence-level ratio.
+
+    s_i = exp(mean over sequence i's (unmasked) tokens of log pi - log mu); per sequence
+    -min(s_i * A_i, clip(s_i, 1 - eps, 1 + eps_high) * A_i), summed over sequences and divided by
+    normalizer. A sequence's tokens must all be in this micro-batch (packing never splits one).
+    """
+    keep = torch.ones_like(seq_idx, dtype=torch.bool) if mask is None else mask
+    log_ratio = torch.where(keep, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
+    seqs, local = torch.unique(seq_idx, return_inverse=True)
+    sums = log_ratio.new_zeros(len(seqs)).index_add(0, local, log_ratio)
+    counts = log_ratio.new_zeros(len(seqs)).index_add(0, local, keep.to(log_ratio.dtype))
+    # Every token of a sequence carries the sequence's A, so any of them gives it.
+    seq_adv = advantages.new_zeros(len(seqs)).scatter(0, local, advantages)
+    has_tokens = counts > 0
+    ratio = torch.exp(sums / counts.clamp(min=1))
+    high = eps if eps_high is None else eps_high
+    return -_masked_sum(_clipped_surrogate(ratio, seq_adv, eps, high), has_tokens) / normalizer
 
 
 def tis_clip_active(clip_c: float) -> ClipActive:
@@ -68,11 +110,12 @@ def tis_clip_active(clip_c: float) -> ClipActive:
     return lambda rho, adv: (rho > clip_c) & (adv != 0)
 
 
-def ppo_clip_active(eps: float) -> ClipActive:
-    """PPO-clip: tokens where the min picks the clipped term, which has no gradient: r > 1 + eps
-    with A > 0, or r < 1 - eps with A < 0. Outside [1 - eps, 1 + eps] on the other side, or
+def ppo_clip_active(eps: float, eps_high: float | None = None) -> ClipActive:
+    """PPO-clip: tokens where the min picks the clipped term, which has no gradient: r > 1 + eps_high
+    with A > 0, or r < 1 - eps with A < 0. Outside [1 - eps, 1 + eps_high] on the other side, or
     with A = 0, the unclipped term is the min and clipping changes nothing."""
-    return lambda rho, adv: ((rho > 1 + eps) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
+    high = eps if eps_high is None else eps_high
+    return lambda rho, adv: ((rho > 1 + high) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
 
 
 @dataclass
@@ -83,6 +126,7 @@ class LossStats:
     A token's lag is trainer_version - the version that generated it; lag-0 tokens were
     sampled by the very weights the trainer holds, so their log-prob difference is numerical
     engine-vs-trainer mismatch (kernels, dtype, sampling truncation), not policy change.
+    Every field is a sum over tokens (so ranks add up), except `lag_counts`, a histogram.
     """
 
     tokens: int = 0
@@ -90,12 +134,15 @@ class LossStats:
     sum_rho_sq: float = 0.0
     clipped: int = 0
     sum_abs_diff: float = 0.0
+    sum_k1: float = 0.0
     sum_k3: float = 0.0
     lag0_tokens: int = 0
     lag0_sum_abs_diff: float = 0.0
     lag0_sum_k3: float = 0.0
     sum_lag: int = 0
-    max_lag: int = 0
+    entropy_tokens: int = 0
+    sum_entropy: float = 0.0
+    lag_counts: dict[int, int] = field(default_factory=dict)  # lag -> trained tokens
 
     @torch.no_grad()
     def add(
@@ -107,58 +154,76 @@ class LossStats:
         trainer_version: int,
         clip_active: ClipActive = tis_clip_active(5.0),
         mask: Tensor | None = None,
+        entropy: Tensor | None = None,
     ) -> None:
         """Accumulate one micro-batch.
 
         clip_active: the loss's rule for a token whose clipped term is the active one
         (`tis_clip_active(c)`, `ppo_clip_active(eps)`); `clip_frac` counts those tokens.
+        entropy: per token, the entropy of the trainer's distribution at that position
+        (`rl.packing.score_tokens`); the `entropy` metric is absent when never given.
         """
         new, old, ver = new_logprobs.detach().double(), old_logprobs.double(), versions
         adv = advantages.detach()
+        ent = None if entropy is None else entropy.detach().double()
         if mask is not None:
             new, old, ver, adv = new[mask], old[mask], ver[mask], adv[mask]
+            ent = None if ent is None else ent[mask]
         if new.numel() == 0:
             return
         log_ratio = new - old
         rho = torch.exp(log_ratio)
-        # k3 estimator of KL(mu || pi) from tokens sampled by mu (Schulman 2020): with
-        # r = pi/mu, E_mu[r - 1 - log r] = KL(mu || pi), unbiased and >= 0 per token.
+        # Schulman's (2020) estimators of KL(mu || pi) from tokens sampled by mu, with
+        # r = pi/mu: k1 = -log r (unbiased, noisy, negative per token); k3 = r - 1 - log r
+        # (unbiased, >= 0 per token, low variance when mu and pi are close).
         k3 = rho - 1 - log_ratio
         abs_diff = log_ratio.abs()
         lag = trainer_version - ver.long()
         lag0 = lag == 0
-        # Seeded from the first tokens, so a negative lag (a provenance bug) stays visible.
-        step_max = lag.max().item()
-        self.max_lag = step_max if self.tokens == 0 else max(self.max_lag, step_max)
+        values, counts = torch.unique(lag, return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist()):
+            self.lag_counts[v] = self.lag_counts.get(v, 0) + c
         self.tokens += new.numel()
         self.sum_rho += rho.sum().item()
         self.sum_rho_sq += rho.square().sum().item()
         self.clipped += clip_active(rho, adv).sum().item()
         self.sum_abs_diff += abs_diff.sum().item()
+        self.sum_k1 -= log_ratio.sum().item()
         self.sum_k3 += k3.sum().item()
         self.lag0_tokens += lag0.sum().item()
         self.lag0_sum_abs_diff += abs_diff[lag0].sum().item()
         self.lag0_sum_k3 += k3[lag0].sum().item()
         self.sum_lag += lag.sum().item()
+        if ent is not None:
+            self.entropy_tokens += ent.numel()
+            self.sum_entropy += ent.sum().item()
 
-    def finalize(self) -> dict[str, float]:
-        """Metrics of the step; the lag-0 mismatch keys are absent when no token had lag 0."""
+    def finalize(self) -> dict[str, Any]:
+        """Metrics of the step; the lag-0 mismatch keys are absent when no token had lag 0.
+
+        `lag_hist` maps each lag (as a string, JSON's key type) to its count of trained tokens.
+        """
         if self.tokens == 0:
             return {"tokens": 0.0}
         n = self.tokens
-        out = {
+        out: dict[str, Any] = {
             "tokens": float(n),
             # Kong (1992) normalised effective sample size: 1 = every rho equal (on-policy).
             "ess": self.sum_rho**2 / (n * self.sum_rho_sq),
             "clip_frac": self.clipped / n,
             "rho_mean": self.sum_rho / n,
             "mismatch_abs": self.sum_abs_diff / n,
+            "kl_k1": self.sum_k1 / n,
             "mismatch_k3": self.sum_k3 / n,
             "lag0_tokens": float(self.lag0_tokens),
             "lag_mean": self.sum_lag / n,
-            "lag_max": float(self.max_lag),
+            # A negative lag (a provenance bug) stays visible: the max of what was seen.
+            "lag_max": float(max(self.lag_counts)),
+            "lag_hist": {str(lag): self.lag_counts[lag] for lag in sorted(self.lag_counts)},
         }
         if self.lag0_tokens:
             out["mismatch_abs_lag0"] = self.lag0_sum_abs_diff / self.lag0_tokens
             out["mismatch_k3_lag0"] = self.lag0_sum_k3 / self.lag0_tokens
+        if self.entropy_tokens:
+            out["entropy"] = self.sum_entropy / self.entropy_tokens
         return out

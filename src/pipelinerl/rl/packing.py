@@ -212,9 +212,17 @@ def _keep_sampled(scaled: Tensor, threshold: Tensor, targets: Tensor) -> Tensor:
     return scaled.masked_fill(~keep, float("-inf"))
 
 
+@torch.no_grad()
+def _entropy(x: Tensor, lse: Tensor) -> Tensor:
+    """Entropy of softmax(x) per row, from x (n, V) and its logsumexp (n,); x may be -inf
+    (tokens the truncation dropped: probability 0, no contribution). Graph-free."""
+    p = (x - lse[:, None]).exp_()
+    return torch.special.entr(p, out=p).sum(-1)
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     """log_softmax(logits[rows] / T)[targets], computed in token chunks, optionally under the
-    engine's top-k / top-p truncation.
+    engine's top-k / top-p truncation; and the entropy of each row's distribution (no grad).
 
     Autograd through log_softmax would keep an fp32 (K, vocab) copy alive for backward; this
     keeps only the logits (model dtype), one fp32 chunk at a time and, when truncating, one
@@ -230,9 +238,10 @@ class _SelectedLogprobs(torch.autograd.Function):
         temperature: float,
         chunk: int,
         truncation: tuple[int, float] | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         out = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out)
         threshold = torch.empty_like(out) if truncation else None
         for s in range(0, rows.numel(), chunk):
             e = s + chunk
@@ -242,13 +251,15 @@ class _SelectedLogprobs(torch.autograd.Function):
                 x = _keep_sampled(x, threshold[s:e, None], targets[s:e])
             lse[s:e] = torch.logsumexp(x, dim=-1)
             out[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            entropy[s:e] = _entropy(x, lse[s:e])
         ctx.save_for_backward(logits, rows, targets, lse, threshold)
         ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, _grad_entropy: Tensor | None
     ) -> tuple[Tensor, None, None, None, None, None]:
         logits, rows, targets, lse, threshold = ctx.saved_tensors
         grad = torch.zeros_like(logits)
@@ -265,27 +276,38 @@ class _SelectedLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def token_logprobs(
+@dataclass
+class TokenScores:
+    """The trainer's view of a batch's trained tokens, aligned with its fields."""
+
+    logprobs: Tensor  # (K,) float32, with grad: log pi(a_t)
+    entropy: Tensor  # (K,) float32, no grad: entropy of pi at the position predicting a_t
+
+
+def score_tokens(
     model: nn.Module,
     batch: PackedBatch,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
     chunk_tokens: int | None = None,
-) -> Tensor:
-    """Trainer log-probs (K,) float32 of the batch's trained tokens, aligned with its fields.
+) -> TokenScores:
+    """Trainer log-probs of the batch's trained tokens and the entropy of the distribution
+    each is scored under, aligned with its fields.
 
     Log-probs come from the distribution the engine samples from: logits / temperature,
     truncated to the top-k (0: off), then top-p (1: off), set and renormalised
     (`engine.sampling`; the sampled token is always kept, see `_keep_sampled`). Gradients
-    flow through the kept logits only. Only the grid columns that predict a trained token are
-    projected onto the vocabulary (`logits_to_keep`), so prompt positions cost no lm_head work
-    in packed rows (padded rows keep the union of those columns over their rows). Beyond
-    `chunk_tokens` trained tokens (default: 2^26 / vocab) the fp32 log-softmax runs chunk by
-    chunk, forward and backward.
+    flow through the kept logits only; the entropy (of that same truncated, tempered
+    distribution) is computed from the same logits without a graph. Only the grid columns
+    that predict a trained token are projected onto the vocabulary (`logits_to_keep`), so
+    prompt positions cost no lm_head work in packed rows (padded rows keep the union of those
+    columns over their rows). Beyond `chunk_tokens` trained tokens (default: 2^26 / vocab) the
+    fp32 log-softmax runs chunk by chunk, forward and backward.
     """
     if batch.num_tokens == 0:
-        return torch.zeros(0, device=batch.input_ids.device)
+        empty = torch.zeros(0, device=batch.input_ids.device)
+        return TokenScores(empty, empty)
     cols = torch.unique(batch.token_cols)
     out = model(
         input_ids=batch.input_ids,
@@ -305,7 +327,22 @@ def token_logprobs(
         x = flat[flat_rows].float() / temperature
         if truncation:
             x = _keep_sampled(x, truncation_threshold(x, *truncation), batch.target_ids)
-        return x.gather(-1, batch.target_ids[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
-    return _SelectedLogprobs.apply(
+        lse = torch.logsumexp(x, dim=-1)
+        logprobs = x.gather(-1, batch.target_ids[:, None]).squeeze(-1) - lse
+        return TokenScores(logprobs, _entropy(x.detach(), lse.detach()))
+    logprobs, entropy = _SelectedLogprobs.apply(
         flat, flat_rows, batch.target_ids, temperature, chunk, truncation
     )
+    return TokenScores(logprobs, entropy)
+
+
+def token_logprobs(
+    model: nn.Module,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Trainer log-probs (K,) float32 of the batch's trained tokens (`score_tokens`)."""
+    return score_tokens(model, batch, temperature, top_k, top_p, chunk_tokens).logprobs
