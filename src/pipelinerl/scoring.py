@@ -61,8 +61,10 @@ class Scored:
 @dataclass
 class _Job:
     problem: Problem
+    completions: list[str]
     futures: list[Future]
     remaining: int  # verifications not yet seen finished
+    retried: bool = False  # already sent again after a pool broke under it
 
 
 class Scorer:
@@ -120,18 +122,23 @@ class Scorer:
         return self._processes
 
     def submit(self, key: str, problem: Problem, completions: list[str]) -> None:
+        self._start(key, _Job(problem, completions, [], len(completions)))
+
+    def _start(self, key: str, job: _Job) -> None:
         if self._threads is not None:
-            futures = [self._threads.submit(self.task.score, problem, c) for c in completions]
+            futures = [self._threads.submit(self.task.score, job.problem, c)
+                       for c in job.completions]
         else:
             pool = self._live_pool()
             try:
-                futures = self._schedule(pool, problem, completions)
+                futures = self._schedule(pool, job.problem, job.completions)
             except RuntimeError:
                 if pool.active:
                     raise
                 # It broke between the check and the call.
-                futures = self._schedule(self._live_pool(), problem, completions)
-        self._jobs[key] = _Job(problem, futures, len(futures))
+                futures = self._schedule(self._live_pool(), job.problem, job.completions)
+        job.futures, job.remaining = futures, len(futures)
+        self._jobs[key] = job
         for future in futures:
             future.add_done_callback(lambda f, key=key: self._finished.put((key, f)))
 
@@ -146,8 +153,14 @@ class Scorer:
         while not self._finished.empty():
             key, future = self._finished.get()
             job = self._jobs.get(key)
-            if job is None:
-                continue  # its group already failed
+            if job is None or not any(future is f for f in job.futures):
+                continue  # its group already failed, or was sent again
+            if isinstance(future.exception(), BrokenProcessPool) and not job.retried:
+                # A broken pool fails every task it held, most of them innocent of the crash
+                # that broke it: each group gets one more try on a new pool.
+                job.retried = True
+                self._start(key, job)
+                continue
             if reason := self._failure(job, future):
                 for other in job.futures:
                     if not other.running():  # cancelling a running one would kill its worker
@@ -177,7 +190,7 @@ class Scorer:
         if isinstance(exc, TimeoutError):
             return "verifier_timeout"
         if isinstance(exc, BrokenProcessPool):
-            return "verifier_crash"  # the pool broke (see _live_pool): counted like a crash
+            return "verifier_crash"  # a pool broke under it twice (see _live_pool)
         if isinstance(exc, ProcessExpired):
             log.warning("verifier process of task %s died on problem %s (exit code %s)",
                         self.task.name, job.problem.problem_id, exc.exitcode)
