@@ -347,6 +347,10 @@ def run_trainer(cfg: Config) -> None:
             # Before the stop record: the actors, and after them the launcher, leave only once
             # the final weights are on disk, so a slow save is never cut short.
             _save_final(cfg, model, logger.path)
+        if world > 1:
+            # The other ranks wait for rank 0's save, so all leave the group together: a rank
+            # that tore down its DDP model and group early left rank 0 hanging at exit.
+            dist.barrier()
     finally:
         bar.close()
         if is_main:
@@ -357,6 +361,7 @@ def run_trainer(cfg: Config) -> None:
             if sender is not None:
                 sender.close()
         if world > 1:
+            trainer.model = wrapped = None  # DDP's reducer goes before the group it uses
             dist.destroy_process_group()
 
 
