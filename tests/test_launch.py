@@ -241,3 +241,38 @@ def test_fake_slow_final_save_completes_before_the_actors_are_told_to_stop(
     assert launch(cfg) == 0
     tok = AutoTokenizer.from_pretrained(cfg.run_dir / "final", local_files_only=True)
     assert tok.eos_token_id is not None
+
+
+_LEADER_WITH_HUNG_CHILD = """
+import signal, subprocess, sys, time
+# A child in the leader's process group that ignores SIGTERM, as a rank stuck in native code.
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE)
+child.stdout.readline()
+print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # the leader leaves on SIGTERM, as torchrun
+time.sleep(600)
+"""
+
+
+def test_stop_all_kills_a_hung_child_of_a_leader_that_already_left_fake_role(monkeypatch):
+    proc = subprocess.Popen([sys.executable, "-c", _LEADER_WITH_HUNG_CHILD],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child_pid = int(proc.stdout.readline())
+    rp = launch_module.RoleProcess("trainer", proc, None)
+    monkeypatch.setattr(launch_module, "STOP_GRACE_S", 1.0)
+    launch_module._stop_all([rp], launch_module.StopSignals())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        # A zombie (already killed, not yet reaped by init) also counts as gone.
+        if Path(f"/proc/{child_pid}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child_pid, signal.SIGKILL)
+        pytest.fail("the leader's hung child outlived _stop_all")

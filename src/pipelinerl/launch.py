@@ -204,9 +204,11 @@ class StopSignals:
         return 128 + (self.received[0] if self.received else signal.SIGINT)
 
 
-def _signal_role(rp: RoleProcess, sig: int) -> None:
-    # Only while the role is unreaped, so its process group id cannot have been reused.
-    if rp.proc.poll() is None:
+def _signal_role(rp: RoleProcess, sig: int, reaped_too: bool = False) -> None:
+    # Normally only while the role is unreaped, so its process group id cannot have been
+    # reused. `reaped_too`: within the stop grace, the group of a leader that already left
+    # (torchrun, after forwarding SIGTERM) may still hold a hung child: kill it as well.
+    if rp.proc.poll() is None or reaped_too:
         try:
             os.killpg(rp.proc.pid, sig)
         except ProcessLookupError:
@@ -227,7 +229,7 @@ def _stop_all(procs: list[RoleProcess], signals: StopSignals) -> None:
     if signals.force and _any_running(procs):
         print("second interrupt: killing every role", file=sys.stderr)
     for rp in procs:
-        _signal_role(rp, signal.SIGKILL)
+        _signal_role(rp, signal.SIGKILL, reaped_too=True)
         rp.proc.wait()
         if rp.log_file is not None:
             rp.log_file.close()
