@@ -52,8 +52,11 @@ def reinforce_tis_loss(
     return -_masked_sum(rho * advantages * new_logprobs, mask) / normalizer
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    return torch.minimum(ratio * advantages, ratio.clamp(1 - eps_low, 1 + eps_high) * advantages)
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps: float, eps_high: float | None
+                       ) -> Tensor:
+    """min(r * A, clip(r, 1 - eps, 1 + eps_high) * A); eps_high None: eps (symmetric)."""
+    high = eps if eps_high is None else eps_high
+    return torch.minimum(ratio * advantages, ratio.clamp(1 - eps, 1 + high) * advantages)
 
 
 def ppo_clip_loss(
@@ -71,8 +74,7 @@ def ppo_clip_loss(
     summed and divided by normalizer. eps_high None: eps (symmetric clipping).
     """
     ratio = torch.exp(new_logprobs - old_logprobs)
-    high = eps if eps_high is None else eps_high
-    return -_masked_sum(_clipped_surrogate(ratio, advantages, eps, high), mask) / normalizer
+    return -_masked_sum(_clipped_surrogate(ratio, advantages, eps, eps_high), mask) / normalizer
 
 
 def gspo_loss(
@@ -100,8 +102,7 @@ def gspo_loss(
     seq_adv = advantages.new_zeros(len(seqs)).scatter(0, local, advantages)
     has_tokens = counts > 0
     ratio = torch.exp(sums / counts.clamp(min=1))
-    high = eps if eps_high is None else eps_high
-    return -_masked_sum(_clipped_surrogate(ratio, seq_adv, eps, high), has_tokens) / normalizer
+    return -_masked_sum(_clipped_surrogate(ratio, seq_adv, eps, eps_high), has_tokens) / normalizer
 
 
 def tis_clip_active(clip_c: float) -> ClipActive:
