@@ -64,3 +64,46 @@ class DiesAtStartTask(FakeTask):
         if self.always or not mark.exists():
             mark.touch()
             os._exit(1)
+
+
+class AnswerTask:
+    """Problem i's answer says whether any completion of it succeeds: held-out accuracy is
+    then known in advance whatever the model writes."""
+
+    name = "answer"
+
+    def __init__(self, solvable: list[bool]) -> None:
+        self.solvable = solvable
+
+    def problems(self) -> list[Problem]:
+        return [Problem(f"answer:{i}", "x", ok) for i, ok in enumerate(self.solvable)]
+
+    def sample_problem(self, rng: random.Random) -> Problem:
+        return rng.choice(self.problems())
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        if problem.answer is None:
+            raise ValueError(f"no answer for {problem.problem_id}")
+        return Score(float(problem.answer), bool(problem.answer))
+
+
+class FirstAttemptTask(AnswerTask):
+    """Scored in threads (`bounds_score_time`): of the attempts at a solvable problem, exactly
+    the first one scored succeeds, so pass@1 = (solvable fraction) / k and pass@k = the
+    solvable fraction, whatever the model writes."""
+
+    bounds_score_time = True
+
+    def __init__(self, solvable: list[bool]) -> None:
+        super().__init__(solvable)
+        import threading
+
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        with self._lock:
+            first = problem.problem_id not in self._seen
+            self._seen.add(problem.problem_id)
+        ok = first and bool(problem.answer)
+        return Score(float(ok), ok)

@@ -56,15 +56,18 @@ class FakeEngine:
         self.active[request.request_id] = [request, 0]
         self.requests_added += 1
 
+    def length_of(self, request_id: str) -> int:
+        return self.length
+
     def step(self) -> list[GenerationOutput]:
         self.step_times.append(time.monotonic())
         time.sleep(self.step_s)
         finished = []
         for rid, entry in list(self.active.items()):
             entry[1] += 1
-            if entry[1] == self.length:
+            n = self.length_of(rid)
+            if entry[1] == n:
                 del self.active[rid]
-                n = self.length
                 finished.append(GenerationOutput(rid, entry[0].prompt_ids, [3] * n, [-0.5] * n,
                                                  [self.version] * n, "length"))
         return finished
@@ -188,6 +191,46 @@ def test_two_actors_with_max_lag_0_fill_every_batch_with_a_fake_trainer():
         versions = {v for g in writer.records if g["group_id"] in ids
                     for s in g["samples"] for v in s["versions"][:1]}
         assert versions == {step}
+
+
+# ---- groups without reward variance ------------------------------------------------------
+
+
+class ParityEngine(FakeEngine):
+    """Attempt i of group g<k> gets length + i % 2 tokens, so FakeTask's reward (the parity of
+    the completion's length) differs within the group, except in every third group (k % 3 == 0),
+    whose attempts all get `length` tokens: the same reward."""
+
+    def length_of(self, request_id: str) -> int:
+        group, attempt = request_id.rsplit("-", 1)
+        k = int(group.rsplit("-g", 1)[1])
+        return self.length + (int(attempt) % 2 if k % 3 else 0)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_zero_variance_groups_are_dropped_counted_and_replaced(drop: bool):
+    from pipelinerl.trainer import _aggregate_actor_stats
+
+    # max_lag 0, no trainer: exactly the 4 groups of step 0 may ever be published. g0 and g3
+    # have equal rewards: dropped, they give their indices to g4 and g5, so the batch stays full.
+    schedule = Schedule(batch_size=8, group_size=2, max_lag=0)
+    engine = ParityEngine(capacity=8)
+    actor = make_actor(engine, FakeTask(), schedule, drop_zero_variance=drop)
+    actor.run(max_groups=4)
+    records = actor.writer.records
+    ids = sorted(g["group_id"] for g in records)
+    if not drop:
+        assert ids == ["a0-g0", "a0-g1", "a0-g2", "a0-g3"]
+        assert "zero_variance" not in actor.stats.skipped
+        return
+    assert ids == ["a0-g1", "a0-g2", "a0-g4", "a0-g5"]
+    assert all({s["reward"] for s in g["samples"]} == {0.0, 1.0} for g in records)
+    assert engine.requests_added == 6 * 2
+    assert actor.stats.skipped["zero_variance"] == 2
+    assert actor.stats.skipped_ids["zero_variance"] == {"fake:0", "fake:3"}
+    # As the trainer's metrics show it: the last group published carries both drops.
+    last = max(records, key=lambda g: g["actor_stats"]["groups_published"])
+    assert _aggregate_actor_stats({0: last["actor_stats"]})["actor_skipped_zero_variance"] == 2
 
 
 # ---- scoring off the decode path ---------------------------------------------------------

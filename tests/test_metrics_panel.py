@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pipelinerl.config import MetricsConfig
 from pipelinerl.metrics.logger import MetricsLogger, read_metrics, scalars
 from pipelinerl.metrics.plot import panel_figure, plot_run
@@ -24,9 +26,14 @@ def _records(heldout: bool) -> list[dict[str, Any]]:
         }
         if step > 1:  # actor stats come from the second step on
             r["actor_tokens_per_s"] = 1800.0
-        if heldout and step % 2 == 0:  # evaluated on some steps only
-            r["heldout_success"] = 0.3 + 0.05 * step
         out.append(r)
+    if heldout:
+        # The evaluator's results: records of their own, logged after later steps, at the
+        # step and wall-clock of the version evaluated (0 before any update).
+        for version in (4, 0, 2):
+            out.append({"step": version, "time_s": 2.0 * version, "eval/version": version,
+                        "eval/greedy": 0.5 + 0.01 * version,
+                        "eval/sampled/pass@1": 0.3 + 0.05 * version})
     return out
 
 
@@ -38,10 +45,13 @@ def test_panel_has_the_expected_subplots_and_curves() -> None:
     fig = panel_figure(_records(heldout=True), title="run")
     titled = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     assert list(titled) == TITLES
-    assert _labels(titled["success"]) == ["batch", "batch (EMA)", "held-out"]
-    # held-out accuracy: only the evaluated steps, at their wall-clock
-    heldout = titled["success"].get_lines()[2]
-    assert list(heldout.get_xdata()) == [4.0, 8.0]
+    assert _labels(titled["success"]) == [
+        "batch", "batch (EMA)", "held-out (sampled)", "held-out (greedy)"]
+    # held-out accuracy: only the evaluated versions, in time order at their wall-clock
+    sampled, greedy = titled["success"].get_lines()[2:]
+    assert list(sampled.get_xdata()) == [0.0, 4.0, 8.0]
+    assert list(sampled.get_ydata()) == pytest.approx([0.3, 0.4, 0.5])
+    assert list(greedy.get_xdata()) == [0.0, 4.0, 8.0]
     # entropy on the twin axis of the ESS subplot
     (twin,) = [ax for ax in fig.axes if not ax.get_title()]
     assert twin.get_position().bounds == titled["ESS and entropy"].get_position().bounds

@@ -1,4 +1,5 @@
-"""Recipe options (trainer.lr_schedule, trainer.loss.*) against numbers worked out by hand.
+"""Recipe options (trainer.lr_schedule, trainer.loss.*, trainer.advantage.baseline)
+against numbers worked out by hand.
 
 Every option is off by default; the defaults reproduce the paper's loss and a constant lr.
 """
@@ -6,22 +7,33 @@ Every option is off by default; the defaults reproduce the paper's loss and a co
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pipelinerl.config import ConfigError, LossConfig, TrainerConfig, load_config
-from pipelinerl.rl.advantages import groups_advantages
+from pipelinerl.config import (
+    ActorConfig,
+    AdvantageConfig,
+    ConfigError,
+    LossConfig,
+    TrainerConfig,
+    load_config,
+)
+from pipelinerl.engine.sampling import truncation_threshold
+from pipelinerl.rl.advantages import group_advantages, groups_advantages, zero_variance
 from pipelinerl.rl.losses import (
     gspo_loss,
     importance_mask,
     ppo_clip_active,
     ppo_clip_loss,
+    reference_k3,
     reinforce_tis_loss,
 )
-from pipelinerl.rl.packing import pad, token_logprobs
+from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens, token_logprobs
 from pipelinerl.rl.schedule import lr_factor, make_scheduler
-from pipelinerl.rl.step import rl_step
+from pipelinerl.rl.step import _sequence_ess, rl_step
 from pipelinerl.types import Group, Sample
 from tiny_models import VOCAB, tiny_hf_model
 
@@ -45,6 +57,10 @@ def test_defaults_are_off() -> None:
     loss, tc = LossConfig(), TrainerConfig()
     assert (loss.kind, loss.aggregate, loss.is_mask) == ("reinforce", "sum_per_sequence", None)
     assert loss.eps_low == loss.eps_high == loss.ppo_eps
+    assert (loss.kl_coef, loss.entropy_coef, loss.ess_lr_scale) == (0.0, 0.0, False)
+    assert (loss.truncated, loss.truncated_reward) == ("keep", 0.0)
+    assert (AdvantageConfig().baseline, AdvantageConfig().std_normalize) == ("mean", False)
+    assert ActorConfig().drop_zero_variance is False
     assert (tc.lr_schedule, tc.warmup_steps) == ("constant", 0)
     assert [lr_factor(s, "constant", 0, 10) for s in range(12)] == [1.0] * 12
 
@@ -81,7 +97,8 @@ def test_trainer_steps_the_schedule_after_each_step_with_fake_rl_step(monkeypatc
     import pipelinerl.rl.step as step_module
     from pipelinerl.trainer import Trainer
 
-    def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None):
+    def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
+                     ref_model=None):
         optimizer.step()
         return {"input_tokens": 0, "lr": optimizer.param_groups[0]["lr"]}
 
@@ -260,3 +277,355 @@ def test_gspo_and_asymmetric_ppo_run_through_the_step() -> None:
     for kind in ("gspo", "ppo"):
         grads, m = step_grads(groups, f"trainer.loss.kind={kind}", "trainer.loss.ppo_eps_high=0.28")
         assert math.isfinite(m["loss"]) and any(g.abs().sum() > 0 for g in grads)
+
+
+# ---- a model with fixed logits, for gradients worked out by hand ------------------------
+
+LN2, LN3 = math.log(2), math.log(3)
+
+
+class FixedLogits(torch.nn.Module):
+    """Logits at grid column c are table[c], whatever the input: log-probs, entropies and their
+    gradients (with respect to the table) can be written down."""
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.tensor(rows, dtype=torch.float32))
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: torch.Tensor,
+                **_: object) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.table[logits_to_keep][None])
+
+
+def sample(tokens: list[int], old: list[float], reward: float = 0.0, finish: str = "stop"
+           ) -> Sample:
+    """Prompt [0]; completion token j is predicted at grid column j (of its own row)."""
+    return Sample([0], tokens, old, [0] * len(tokens), reward, reward > 0, finish)
+
+
+def fixed_step(model: torch.nn.Module, samples: list[Sample], *overrides: str,
+               lr: float = 0.0, ref_model: torch.nn.Module | None = None) -> dict:
+    """rl_step on one group of `samples` with SGD at `lr` (0: the gradient stays in .grad)."""
+    n = len(samples)
+    cfg = load_config(overrides=[f"actor.group_size={n}", f"trainer.batch_size={n}", *overrides])
+    return rl_step(model, torch.optim.SGD(model.parameters(), lr=lr),
+                   [Group("g", "p", samples)], cfg, 0, ref_model=ref_model)
+
+
+# ---- KL penalty to the reference model --------------------------------------------------
+
+
+def test_reference_k3_by_hand() -> None:
+    # new = log 1/2, ref = log 1/4: d = ref - new = -ln 2, k3 = 1/2 + ln 2 - 1 = 0.1931472,
+    #   dk3/dnew = 1 - exp(d) = 1/2
+    # new = log 1/4, ref = log 1/2: d = ln 2, k3 = 2 - ln 2 - 1 = 0.3068528, dk3/dnew = 1 - 2
+    new = torch.tensor([math.log(0.5), math.log(0.25)], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([math.log(0.25), math.log(0.5)], dtype=torch.float64, requires_grad=True)
+    k3 = reference_k3(new, ref)
+    close(k3, [0.1931472, 0.3068528], tol=1e-7)
+    k3.sum().backward()
+    close(new.grad, [0.5, -1.0])
+    assert ref.grad is None  # the reference is a constant
+    close(reference_k3(new, new), [0.0, 0.0])
+
+
+def test_kl_penalty_through_the_step_by_hand() -> None:
+    # One sample, group of 1: A = 0, so the gradient is the penalty's alone. The policy's
+    # logits (0, 0) give p(1) = 1/2; the reference's (0, ln 3) give 3/4:
+    #   d = ln(3/4) - ln(1/2) = ln 1.5 = 0.4054651, k3 = 1.5 - 0.4054651 - 1 = 0.0945349
+    #   dk3/dnew = 1 - 1.5 = -0.5; dnew/dlogits = onehot(1) - p = (-0.5, 0.5)
+    #   loss = 0.1 * k3 / B(1) = 0.00945349; grad = 0.1 * -0.5 * (-0.5, 0.5) = (0.025, -0.025)
+    model, ref = FixedLogits([[0.0, 0.0]]), FixedLogits([[0.0, LN3]])
+    m = fixed_step(model, [sample([1], [math.log(0.5)])], "trainer.loss.kl_coef=0.1",
+                   ref_model=ref)
+    close(m["kl_ref"], 0.0945349, tol=1e-6)
+    close(m["loss"], 0.00945349, tol=1e-7)
+    close(model.table.grad, [[0.025, -0.025]])
+    assert ref.table.grad is None
+    # The starting model as its own reference: k3 = 0 and no gradient.
+    m = fixed_step(model, [sample([1], [math.log(0.5)])], "trainer.loss.kl_coef=0.1",
+                   ref_model=FixedLogits([[0.0, 0.0]]))
+    close(m["kl_ref"], 0.0)
+    close(model.table.grad, [[0.0, 0.0]])
+    assert "kl_ref" not in fixed_step(model, [sample([1], [math.log(0.5)])])
+    with pytest.raises(ValueError, match="kl_coef"):
+        fixed_step(model, [sample([1], [math.log(0.5)])], "trainer.loss.kl_coef=0.1")
+
+
+def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
+    import pipelinerl.models.hf as hf
+    import pipelinerl.rl.step as step_module
+    from pipelinerl.trainer import Trainer
+
+    loaded: list[tuple] = []
+
+    def fake_load_model(path, dtype, device):
+        loaded.append((path, dtype, device))
+        return torch.nn.Linear(1, 1).train()
+
+    seen: list[torch.nn.Module | None] = []
+
+    def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
+                     ref_model=None):
+        seen.append(ref_model)
+        optimizer.step()
+        return {"input_tokens": 0}
+
+    monkeypatch.setattr(hf, "load_model", fake_load_model)
+    monkeypatch.setattr(step_module, "rl_step", fake_rl_step)
+    off = Trainer(load_config(overrides=["model.path=start"]), torch.nn.Linear(1, 1), None, None)
+    assert off.ref_model is None and loaded == []
+    on = Trainer(load_config(overrides=["model.path=start", "trainer.loss.kl_coef=0.05"]),
+                 torch.nn.Linear(1, 1), None, None)
+    assert loaded == [("start", torch.float32, torch.device("cpu"))]
+    assert not on.ref_model.training
+    assert not any(p.requires_grad for p in on.ref_model.parameters())
+    on.train_step([], num_sequences=1)
+    off.train_step([], num_sequences=1)
+    assert seen == [on.ref_model, None]
+
+
+# ---- entropy bonus ----------------------------------------------------------------------
+
+# Logits (0, ln 3): p = (1/4, 3/4), H = 1/4 ln 4 + 3/4 ln(4/3) = 0.5623351;
+# dH/dx = -p (log p + H) = (-1/4 (-1.3862944 + 0.5623351), -3/4 (-0.2876821 + 0.5623351))
+#       = (0.2059898, -0.2059898). Uniform (0, 0): H = ln 2 and dH/dx = -1/2 (-ln 2 + ln 2) = 0.
+H_QUARTER, DH_QUARTER = 0.5623351, 0.2059898
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 1])  # plain autograd, and the chunked function
+def test_entropy_gradient_by_hand(chunk_tokens: int | None) -> None:
+    model = FixedLogits([[0.0, LN3], [0.0, 0.0]])
+    (batch,) = pack([sample([1, 0], [0.0, 0.0])], [1.0], max_tokens_per_row=16)
+    scores = score_tokens(model, batch, chunk_tokens=chunk_tokens, entropy_grad=True)
+    close(scores.entropy, [H_QUARTER, LN2], tol=1e-6)
+    scores.entropy.sum().backward()
+    close(model.table.grad, [[DH_QUARTER, -DH_QUARTER], [0.0, 0.0]], tol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 2])
+def test_default_entropy_stays_graph_free_and_log_prob_gradient_unchanged(
+        chunk_tokens: int | None) -> None:
+    model = FixedLogits([[0.0, LN3, -1.0], [0.5, 0.0, 2.0], [1.0, -2.0, 0.0]])
+    (batch,) = pack([sample([1, 0, 2], [0.0] * 3)], [1.0], max_tokens_per_row=16)
+    grads, entropies = [], []
+    for entropy_grad in (False, True):
+        model.zero_grad()
+        scores = score_tokens(model, batch, chunk_tokens=chunk_tokens, entropy_grad=entropy_grad)
+        assert scores.entropy.requires_grad == entropy_grad
+        scores.logprobs.sum().backward()
+        grads.append(model.table.grad.clone())
+        entropies.append(scores.entropy.detach())
+    # Asking for the entropy's gradient changes neither the values nor the log-probs' gradient.
+    torch.testing.assert_close(entropies[1], entropies[0], atol=1e-7, rtol=0)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("truncation", [None, (3, 1.0), (0, 0.7), (4, 0.6)])
+def test_chunked_entropy_gradient_matches_autograd(truncation: tuple[int, float] | None) -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([5, 0, 3, 6, 2])
+    targets = torch.tensor([1, 10, 0, 4, 4])
+    w_lp, w_h = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    t = 0.6
+    # chunk of 2 tokens forces three chunks, the last one partial
+    lp, h = _SelectedLogprobs.apply(logits, rows, targets, t, 2, truncation, True)
+    ((lp.double() * w_lp).sum() + (h.double() * w_h).sum()).backward()
+    got = logits.grad.clone()
+    logits.grad = None
+    x = logits[rows] / t
+    dropped = torch.zeros_like(x, dtype=torch.bool)
+    if truncation:
+        keep = x >= truncation_threshold(x.detach(), *truncation)
+        dropped = ~keep.scatter(-1, targets[:, None], True)
+        x = x.masked_fill(dropped, float("-inf"))
+        assert dropped.any()
+    log_p = torch.log_softmax(x, -1)
+    want_h = -(log_p.exp() * log_p.masked_fill(dropped, 0.0)).sum(-1)
+    want_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    ((want_lp * w_lp).sum() + (want_h * w_h).sum()).backward()
+    torch.testing.assert_close(h.double(), want_h.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, logits.grad, atol=1e-6, rtol=0)
+    assert (got[rows][dropped] == 0).all()  # the kept set stays a stop-gradient choice
+
+
+def test_entropy_bonus_through_the_step_by_hand() -> None:
+    # Group of 1 (A = 0): loss = -0.1 * H / B(1) = -0.05623351, grad = -0.1 * dH/dx.
+    model = FixedLogits([[0.0, LN3]])
+    m = fixed_step(model, [sample([1], [math.log(0.75)])], "trainer.loss.entropy_coef=0.1")
+    close(m["entropy"], H_QUARTER, tol=1e-6)
+    close(m["loss"], -0.1 * H_QUARTER, tol=1e-7)
+    close(model.table.grad, [[-0.1 * DH_QUARTER, 0.1 * DH_QUARTER]], tol=1e-7)
+
+
+def test_coefficients_must_not_be_negative() -> None:
+    for key in ("kl_coef", "entropy_coef"):
+        with pytest.raises(ConfigError, match=f"trainer.loss.{key}"):
+            load_config(overrides=[f"trainer.loss.{key}=-0.1"])
+
+
+# ---- truncated samples ------------------------------------------------------------------
+
+
+def truncated_group() -> Group:
+    """Rewards (1, 0, 1, 0); sample 1 was cut at max_new_tokens."""
+    finishes = ["stop", "length", "stop", "stop"]
+    return Group("g", "p", [sample([1, 2], [-1.0, -1.0], r, f)
+                            for r, f in zip([1.0, 0.0, 1.0, 0.0], finishes)])
+
+
+def test_truncated_advantages_by_hand() -> None:
+    groups = [truncated_group()]
+    # keep: mean 0.5
+    close(groups_advantages(groups), [0.5, -0.5, 0.5, -0.5])
+    # penalty -1: rewards (1, -1, 1, 0), mean 0.25
+    close(groups_advantages(groups, truncated="penalty", truncated_reward=-1.0),
+          [0.75, -1.25, 0.75, -0.25])
+    # mask: the baseline of (1, 1, 0) is 2/3; the masked sample gets 0
+    close(groups_advantages(groups, truncated="mask"), [1 / 3, 0.0, 1 / 3, -2 / 3])
+    # mask, loo: 1 - mean(1, 0) = 0.5; 0 - mean(1, 1) = -1
+    close(groups_advantages(groups, "loo", truncated="mask"), [0.5, 0.0, 0.5, -1.0])
+
+
+def test_truncated_mask_through_the_step() -> None:
+    """mask: the step's gradient is the loss of the other samples alone, still divided by
+    every sequence of the step (B = 8)."""
+    groups = random_groups()
+    for g in groups:
+        g.samples[1] = replace(g.samples[1], finish_reason="length")
+    samples = [s for g in groups for s in g.samples]
+    kept = [s for s in samples if s.finish_reason == "stop"]
+    adv = groups_advantages(groups, truncated="mask")
+    kept_adv = adv[[i for i, s in enumerate(samples) if s.finish_reason == "stop"]]
+    model = tiny_hf_model("qwen2", seed=1).train()
+    (batch,) = pad(kept, kept_adv)
+    new = token_logprobs(model, batch, 1.0)
+    reinforce_tis_loss(new, batch.old_logprobs, batch.advantages, len(samples)).backward()
+    grads, m = step_grads(groups, "trainer.loss.truncated=mask")
+    kept_grads, _ = step_grads(groups)
+    for expected, got, keep in zip((p.grad for p in model.parameters()), grads, kept_grads):
+        # fp32: packed micro-batches against one padded batch
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert max((g - k).abs().max() for g, k in zip(grads, kept_grads)) > 1e-2
+    assert m["tokens"] == sum(len(s.token_ids) for s in kept)  # 56 - (5 + 6)
+    assert m["tokens"] == 45
+
+
+def test_zero_variance_sees_the_rewards_the_advantages_see() -> None:
+    # Rewards (1, 1, 0), the last one truncated.
+    group = [sample([1], [0.0], r, f) for r, f in zip([1.0, 1.0, 0.0], ["stop", "stop", "length"])]
+    assert not zero_variance(group)
+    assert zero_variance(group, "mask")  # (1, 1) left
+    assert zero_variance(group, "penalty", 1.0)  # (1, 1, 1)
+    assert not zero_variance(group, "penalty", 0.0)
+    assert zero_variance([sample([1], [0.0], 1.0, "length")], "mask")  # nothing left to train
+
+
+def test_truncated_config_rules() -> None:
+    with pytest.raises(ConfigError, match="truncated_reward.*penalty"):
+        load_config(overrides=["trainer.loss.truncated_reward=-1"])
+    with pytest.raises(ConfigError, match="truncated"):
+        load_config(overrides=["trainer.loss.truncated=drop"])
+    cfg = load_config(overrides=["trainer.loss.truncated=penalty",
+                                 "trainer.loss.truncated_reward=-1"])
+    assert (cfg.trainer.loss.truncated, cfg.trainer.loss.truncated_reward) == ("penalty", -1.0)
+    with pytest.raises(ConfigError, match="drop_zero_variance.*group_size"):
+        load_config(overrides=["actor.drop_zero_variance=true", "actor.group_size=1",
+                               "trainer.batch_size=4"])
+
+
+# ---- VCPO: minimum-variance baseline, ESS-scaled lr -------------------------------------
+
+
+def test_vcpo_baseline_by_hand() -> None:
+    # w = (1, 2, 1/2): w^2 = (1, 4, 1/4), sum 5.25; b = 1 * 1 / 5.25 = 0.1904762
+    adv = group_advantages([1.0, 0.0, 0.0], "vcpo",
+                           log_weights=torch.tensor([0.0, LN2, -LN2], dtype=torch.float64))
+    close(adv, [0.8095238, -0.1904762, -0.1904762], tol=1e-7)
+    # log w (30, 20) are both clamped to 20: equal weights, b = mean = 0.5
+    close(group_advantages([1.0, 0.0], "vcpo", log_weights=torch.tensor([30.0, 20.0])),
+          [0.5, -0.5])
+    # equal weights give the mean baseline; a group of 1 gets 0
+    close(group_advantages([1.0, 0.0, 0.0], "vcpo", log_weights=torch.zeros(3)),
+          [2 / 3, -1 / 3, -1 / 3])
+    close(group_advantages([1.0], "vcpo", log_weights=torch.tensor([5.0])), [0.0])
+    with pytest.raises(ValueError, match="vcpo"):
+        group_advantages([1.0, 0.0], "vcpo")
+
+
+def test_vcpo_baseline_through_the_step() -> None:
+    """The step's gradient equals the loss with advantages from the sequences' weights under
+    the weights being trained, computed in one piece."""
+    groups = random_groups()
+    samples = [s for g in groups for s in g.samples]
+    model = tiny_hf_model("qwen2", seed=1).train()
+    (batch,) = pad(samples, torch.zeros(len(samples)))
+    new = token_logprobs(model, batch, 1.0)
+    log_w = torch.zeros(len(samples), dtype=torch.float64).index_add(
+        0, batch.seq_idx, (new.detach() - batch.old_logprobs).double())
+    adv = groups_advantages(groups, "vcpo", log_weights=log_w)
+    assert not torch.allclose(adv, groups_advantages(groups), atol=1e-3)  # unequal weights
+    batch = replace(batch, advantages=adv[batch.seq_idx])
+    reinforce_tis_loss(new, batch.old_logprobs, batch.advantages, len(samples)).backward()
+    grads, _ = step_grads(groups, "trainer.advantage.baseline=vcpo")
+    mean_grads, _ = step_grads(groups)
+    for expected, got in zip((p.grad for p in model.parameters()), grads):
+        # fp32: the weights, then the gradient, from packed micro-batches against one batch
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert max((g - m).abs().max() for g, m in zip(grads, mean_grads)) > 1e-2
+
+
+def test_sequence_ess_by_hand() -> None:
+    # w = (1, 2): (1 + 2)^2 / (2 * (1 + 4)) = 0.9, whatever the common factor
+    close(_sequence_ess(torch.tensor([0.0, LN2], dtype=torch.float64)), 0.9)
+    close(_sequence_ess(torch.tensor([1000.0, 1000.0 + LN2], dtype=torch.float64)), 0.9)
+    close(_sequence_ess(torch.tensor([-1000.0, -1000.0], dtype=torch.float64)), 1.0)
+    close(_sequence_ess(torch.zeros(0, dtype=torch.float64)), 1.0)
+
+
+def test_ess_lr_scale_through_the_step_by_hand() -> None:
+    # Two one-token sequences under logits (0, 0) (p = 1/2 each), rewards (1, 0): A = +-0.5.
+    # old = (log 1/2, log 1/4): w = (1, 2), ESS 0.9, lr x sqrt(0.9) = 0.9486833.
+    # loss = -(1 * 0.5 * new0 + 2 * -0.5 * new1) / 2: dloss/dnew = (-0.25, 0.5);
+    # dnew0/dx0 = (-0.5, 0.5), dnew1/dx1 = (0.5, -0.5): grad = ((0.125, -0.125), (0.25, -0.25))
+    model = FixedLogits([[0.0, 0.0], [0.0, 0.0]])
+    samples = [sample([1], [math.log(0.5)], 1.0), sample([0], [math.log(0.25)], 0.0)]
+    m = fixed_step(model, samples, "trainer.loss.ess_lr_scale=true", lr=1.0)
+    scale = math.sqrt(0.9)
+    close(m["vcpo_lr_scale"], scale)
+    close(m["lr"], 1.0)  # the schedule's lr, restored after the step
+    close(model.table.grad, [[0.125, -0.125], [0.25, -0.25]])
+    close(model.table.detach(), [[-0.125 * scale, 0.125 * scale], [-0.25 * scale, 0.25 * scale]])
+    unscaled = FixedLogits([[0.0, 0.0], [0.0, 0.0]])
+    assert "vcpo_lr_scale" not in fixed_step(unscaled, samples, lr=1.0)
+    close(unscaled.table.detach(), [[-0.125, 0.125], [-0.25, 0.25]])
+
+
+def _ess_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks of `test_sequence_ess_is_the_steps_over_every_rank`."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    local = [torch.tensor([0.0], dtype=torch.float64),
+             torch.tensor([LN2, LN2], dtype=torch.float64)][rank]
+    with open(f"{out_dir}/{rank}", "w") as f:
+        f.write(repr(_sequence_ess(local)))
+    dist.destroy_process_group()
+
+
+def test_sequence_ess_is_the_steps_over_every_rank(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    # Rank 0 holds w = 1, rank 1 w = (2, 2): (1 + 4)^2 / (3 * (1 + 8)) = 25 / 27 on both.
+    mp.spawn(_ess_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        close(float((tmp_path / str(rank)).read_text()), 25 / 27)
+
+
+def test_vcpo_config() -> None:
+    cfg = load_config(overrides=["trainer.advantage.baseline=vcpo",
+                                 "trainer.loss.ess_lr_scale=true"])
+    assert cfg.trainer.advantage.baseline == "vcpo" and cfg.trainer.loss.ess_lr_scale
+    with pytest.raises(ConfigError, match="baseline"):
+        load_config(overrides=["trainer.advantage.baseline=median"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipelinerl.engine.base import Engine
+from pipelinerl.rl.advantages import Truncated, zero_variance
 from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
@@ -43,8 +44,9 @@ class Schedule:
       groups of steps up to v + max_lag are admitted, whatever each actor's pace.
     - conventional: with the frozen weights of round r = v // C (C = conventional_g), start
       exactly the groups of round r's C steps, then wait for the trainer's C steps.
-    A group the actor drops (failed verification) gives its index back and the actor's next
-    group takes it, so the trainer's batches stay whole. (Groups the trainer drops as stale
+    A group the actor drops (failed verification, or zero reward variance with
+    actor.drop_zero_variance) gives its index back and the actor's next group takes it, so the
+    trainer's batches stay whole. (Groups the trainer drops as stale
     do not come back: their steps take later groups.)
     """
 
@@ -125,6 +127,9 @@ class Actor:
         seed: int = 0,
         verifier_timeout_s: float = 10.0,
         verifier_workers: int = 2,
+        drop_zero_variance: bool = False,
+        truncated: Truncated = "keep",
+        truncated_reward: float = 0.0,
     ) -> None:
         self.engine = engine
         self.task = task
@@ -141,6 +146,10 @@ class Actor:
         self.max_seq_len = max_seq_len
         self.max_prompt_tokens = max_seq_len - sampling.max_new_tokens
         self.scorer = Scorer(task, verifier_timeout_s, verifier_workers)
+        self.drop_zero_variance = drop_zero_variance
+        # How the trainer's advantages read rewards (trainer.loss.truncated), so that a group
+        # is called zero-variance exactly when its advantages will all be 0.
+        self.truncated, self.truncated_reward = truncated, truncated_reward
         self.stats = ActorStats()
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
@@ -278,6 +287,12 @@ class Actor:
             )
             for out, score in zip(pending.outputs, scored.scores)
         ]
+        if self.drop_zero_variance and zero_variance(samples, self.truncated,
+                                                     self.truncated_reward):
+            # Every advantage would be 0, so no gradient: dropped like a failed verification.
+            self.stats.skip("zero_variance", pending.problem.problem_id)
+            heapq.heappush(self._free_indices, pending.index)
+            return
         self.stats.groups_published += 1
         group = Group(
             group_id=scored.key,
@@ -310,7 +325,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     from pipelinerl.engine import make_engine
     from pipelinerl.models.hf import encode_prompt, load_tokenizer
     from pipelinerl.roles import open_control_reader, open_rollout_writer, open_weight_receiver
-    from pipelinerl.tasks import make_task
+    from pipelinerl.tasks import make_train_task
 
     torch.set_num_threads(cfg.actor.threads)
     tokenizer = load_tokenizer(cfg.model.path)
@@ -334,7 +349,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     mode_g = cfg.conventional_g if cfg.mode == "conventional" else 0
     actor = Actor(
         engine=engine,
-        task=make_task(cfg.task.name, cfg.task.params),
+        task=make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac),
         encode=lambda text: encode_prompt(tokenizer, text),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         sampling=sampling_from_config(cfg.engine, (tokenizer.eos_token_id,)),
@@ -354,6 +369,9 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         seed=cfg.actor.seed + cfg.seed,
         verifier_timeout_s=cfg.actor.verifier_timeout_s,
         verifier_workers=cfg.actor.verifier_workers,
+        drop_zero_variance=cfg.actor.drop_zero_variance,
+        truncated=cfg.trainer.loss.truncated,
+        truncated_reward=cfg.trainer.loss.truncated_reward,
     )
     try:
         actor.run()

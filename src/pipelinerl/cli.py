@@ -28,6 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     actor.add_argument("config")
     actor.add_argument("overrides", nargs="*")
     actor.add_argument("--actor-id", type=int, default=0)
+
+    evaluator = sub.add_parser("evaluator", help="run the held-out evaluator role only")
+    evaluator.add_argument("config")
+    evaluator.add_argument("overrides", nargs="*")
+
+    evaluate = sub.add_parser("eval", help="evaluate a saved model on the task's held-out set")
+    evaluate.add_argument("model_dir", help="a local Hugging Face model directory (e.g. RUN/final)")
+    evaluate.add_argument("config", help="the YAML config naming the task and the eval section")
+    evaluate.add_argument("overrides", nargs="*")
     return p
 
 
@@ -60,11 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         from pipelinerl.launch import launch
 
         return launch(cfg, overwrite=args.overwrite)
+    if args.command == "eval":
+        from pipelinerl.evaluation import evaluate_saved_model
+
+        return evaluate_saved_model(args.model_dir, cfg)
     if not cfg.run_id:
         from pipelinerl.roles import MISSING_RUN_ID
 
         print(f"pipelinerl {args.command}: {MISSING_RUN_ID}", file=sys.stderr)
         return 2
+    if args.command == "evaluator":
+        from pipelinerl.evaluation import run_evaluator
+
+        return _run_role("evaluator", cfg, run_evaluator)
     if args.command == "trainer":
         from pipelinerl.trainer import run_trainer
 

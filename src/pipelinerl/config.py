@@ -40,6 +40,10 @@ class WarmStartConfig(_Section):
 class TaskConfig(_Section):
     name: str = "arithmetic"
     params: dict[str, Any] = Field(default_factory=dict)
+    # The held-out part of the task's problems: those whose id hashes below this fraction
+    # (`tasks.split`). Training, the warm-start included, never draws them; evaluation draws
+    # only them. 0: no held-out part (and no evaluation).
+    heldout_frac: float = Field(default=0.1, ge=0.0, lt=1.0)
 
 
 class EngineConfig(_Section):
@@ -67,6 +71,10 @@ class ActorConfig(_Section):
     # the deadline is killed and its group dropped (counted as skipped_verifier_timeout).
     verifier_timeout_s: float = Field(default=10.0, gt=0)
     verifier_workers: int = Field(default=2, gt=0, description="verifier processes per actor")
+    # A group whose rewards (as the trainer's advantages see them, trainer.loss.truncated
+    # included) are all equal has A = 0 under every baseline, so no gradient: drop it (counted
+    # as skipped_zero_variance) and start a replacement, so the trainer's batches stay full.
+    drop_zero_variance: bool = False
     seed: int = 0
 
 
@@ -85,6 +93,20 @@ class LossConfig(_Section):
     # Masked importance sampling (reinforce, ppo): tokens whose rho leaves [lo, hi] get no
     # gradient. None: off.
     is_mask: tuple[float, float] | None = None
+    # Penalty kl_coef * k3 per trained token towards the frozen starting model (model.path),
+    # k3 = exp(ref - new) - (ref - new) - 1; 0: off, and the reference is never loaded.
+    kl_coef: float = Field(default=0.0, ge=0)
+    # Bonus entropy_coef * H per trained token, H the entropy the trainer scores under
+    # (with gradient); 0: off.
+    entropy_coef: float = Field(default=0.0, ge=0)
+    # Samples cut at engine.max_new_tokens (finish_reason "length"): keep them as they are,
+    # mask them (no gradient, left out of their group's baseline), or replace their reward by
+    # truncated_reward before the advantages (penalty).
+    truncated: Literal["keep", "mask", "penalty"] = "keep"
+    truncated_reward: float = 0.0
+    # VCPO (Huang et al. 2026): this step's lr x sqrt(ESS / N) of the sequences' importance
+    # weights, the scheduler's lr untouched.
+    ess_lr_scale: bool = False
 
     @property
     def eps_low(self) -> float:
@@ -103,11 +125,16 @@ class LossConfig(_Section):
             raise ValueError("is_mask is per token; gspo clips a per-sequence ratio instead")
         if self.kind == "gspo" and self.aggregate != "sum_per_sequence":
             raise ValueError("gspo's terms are per sequence: use aggregate=sum_per_sequence")
+        if self.truncated_reward != 0 and self.truncated != "penalty":
+            raise ValueError(f"truncated_reward {self.truncated_reward} is used only with "
+                             f"truncated=penalty, not {self.truncated}")
         return self
 
 
 class AdvantageConfig(_Section):
-    baseline: Literal["mean", "loo"] = "mean"
+    # vcpo: the minimum-variance off-policy baseline sum w^2 r / sum w^2 of the group, w the
+    # sequences' importance weights (docs/algorithm.md); costs one no-grad forward of the step.
+    baseline: Literal["mean", "loo", "vcpo"] = "mean"
     std_normalize: bool = False
 
 
@@ -152,6 +179,34 @@ class SyncConfig(_Section):
     timeout_s: float = Field(default=120.0, gt=0)
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation, by a role of its own with its own engine (docs/evaluation.md)."""
+
+    enabled: bool = False
+    num_problems: int = Field(default=500, gt=0, description="drawn from the held-out part")
+    seed: int = 0  # which held-out problems; apart from the run's seed, so runs compare
+    # Newest weights are evaluated when either bound is reached (0: that bound off), and
+    # always at version 0 (before any update) and once more on the final weights.
+    every_steps: int = Field(default=0, ge=0)
+    every_s: float = Field(default=60.0, ge=0)
+    greedy: bool = True
+    # Sampled evaluation at this temperature (with engine.top_k / top_p); 0: off. pass@1 is
+    # the mean success of `samples` attempts per problem, pass@k (k = samples) when > 1.
+    temperature: float = Field(default=1.0, ge=0.0)
+    samples: int = Field(default=1, gt=0)
+    threads: int = Field(default=1, gt=0, description="torch threads for the evaluator")
+    capacity: int = Field(default=0, ge=0, description="sequences in flight; 0: engine.capacity")
+    final_timeout_s: float = Field(
+        default=600.0, gt=0, description="how long the trainer waits for the final evaluation"
+    )
+
+    @model_validator(mode="after")
+    def _check_modes(self) -> "EvalConfig":
+        if self.enabled and not self.greedy and self.temperature == 0:
+            raise ValueError("eval.greedy=false and eval.temperature=0 leave nothing to evaluate")
+        return self
+
+
 class MetricsConfig(_Section):
     tensorboard: bool = False
     wandb: bool = False
@@ -181,6 +236,7 @@ class Config(_Section):
     stream: StreamConfig = Field(default_factory=StreamConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Config":
@@ -189,6 +245,9 @@ class Config(_Section):
                 f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of "
                 f"actor.group_size ({self.actor.group_size}): groups are never split"
             )
+        if self.actor.drop_zero_variance and self.actor.group_size == 1:
+            raise ValueError("actor.drop_zero_variance=true with actor.group_size=1 would drop "
+                             "every group: a single reward has no variance")
         if self.engine.max_new_tokens >= self.engine.max_seq_len:
             raise ValueError(
                 f"engine.max_new_tokens ({self.engine.max_new_tokens}) must be below "
@@ -207,6 +266,9 @@ class Config(_Section):
                 "max_lag steps past the weights they hold, so the trainer would wait at step "
                 "max_lag + 1 for groups that need weights it publishes only later"
             )
+        if self.eval.enabled and self.task.heldout_frac == 0:
+            raise ValueError("eval.enabled=true needs task.heldout_frac > 0: evaluation draws "
+                             "only problems that training never sees")
         return self
 
     @property

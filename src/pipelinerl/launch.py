@@ -87,7 +87,7 @@ def starting_model(cfg: Config) -> Path:
     """The warm-started tiny model for the task (built and cached on first use)."""
     from dataclasses import replace
 
-    from pipelinerl.tasks import make_task
+    from pipelinerl.tasks import make_train_task
     from pipelinerl.warmstart import WarmStartConfig, resolve_cache_dir, warm_start
 
     if not cfg.warmstart.enabled:
@@ -98,7 +98,8 @@ def starting_model(cfg: Config) -> Path:
         ws = replace(ws, steps=cfg.warmstart.steps)
     if cfg.warmstart.step_error_prob >= 0:
         ws = replace(ws, step_error_prob=cfg.warmstart.step_error_prob)
-    task = make_task(cfg.task.name, cfg.task.params)
+    # Without the held-out part: the warm-start is training too.
+    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
     if not hasattr(task, "demonstration"):
         raise SystemExit(f"task {cfg.task.name!r} has no demonstrations to warm-start from: "
                          "give model.path=DIR")
@@ -309,13 +310,16 @@ def _role_specs(cfg: Config, config_path: str) -> list[tuple[str, list[str], int
     for i in range(cfg.actor.num_actors):
         specs.append((f"actor_{i}", ["actor", config_path, "--actor-id", str(i)],
                       cfg.actor.threads, True))
+    if cfg.eval.enabled:
+        specs.append(("evaluator", ["evaluator", config_path], cfg.eval.threads, True))
     return specs
 
 
-def _supervise(trainer: RoleProcess, actors: list[RoleProcess], signals: StopSignals,
+def _supervise(trainer: RoleProcess, others: list[RoleProcess], signals: StopSignals,
                run_dir: Path) -> int | None:
     """The run's exit code once it ends by itself, or None once a stop signal arrives."""
-    procs = [trainer, *actors]
+    procs = [trainer, *others]
+    actors = [rp for rp in others if rp.role.startswith("actor")]
     actors_gone_at: float | None = None
     while not signals.stop:
         failed = next((rp for rp in procs if rp.proc.poll() not in (None, 0)), None)
@@ -325,8 +329,9 @@ def _supervise(trainer: RoleProcess, actors: list[RoleProcess], signals: StopSig
                   f"{_failure_report(failed, run_dir)}", file=sys.stderr)
             return 1
         if trainer.proc.poll() == 0:
-            # The final weights are saved; actors see the stop record and leave on their own.
-            _wait_for_exit(actors, ACTORS_LEAVE_S, signals)
+            # The final weights are saved (and evaluated); the other roles see the stop record
+            # and leave on their own.
+            _wait_for_exit(others, ACTORS_LEAVE_S, signals)
             _stop_all(procs, signals)
             print(f"run finished: {run_dir}", file=sys.stderr)
             return 0

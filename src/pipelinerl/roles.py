@@ -11,6 +11,7 @@ from pipelinerl.sync.base import WeightReceiver, WeightSender
 
 ROLLOUTS = "rollouts"
 CONTROL = "control"
+EVAL = "eval"
 
 MISSING_RUN_ID = (
     "run_id is empty: every role of one run needs the same run_id, and each run a new one "
@@ -45,6 +46,14 @@ def open_control_reader(cfg: Config) -> Reader:
     return open_reader(cfg.stream.backend, stream=CONTROL, **_locations(cfg))
 
 
+def open_eval_writer(cfg: Config) -> Writer:
+    return open_writer(cfg.stream.backend, stream=EVAL, writer_id="evaluator", **_locations(cfg))
+
+
+def open_eval_reader(cfg: Config) -> Reader:
+    return open_reader(cfg.stream.backend, stream=EVAL, **_locations(cfg))
+
+
 def check_run_id_unused(cfg: Config) -> None:
     """Refuse a run id whose control stream already holds a stop record: a finished run's."""
     with open_control_reader(cfg) as control:
@@ -61,11 +70,16 @@ def _channel_id(cfg: Config) -> str:
     return f"{cfg.name}-{digest}"
 
 
+def _n_receivers(cfg: Config) -> int:
+    """Every actor, and the evaluator (receiver id num_actors) when evaluation is on."""
+    return cfg.actor.num_actors + int(cfg.eval.enabled)
+
+
 def open_weight_sender(cfg: Config) -> WeightSender:
     if cfg.sync.backend == "shm":
         return make_sender("shm", run_id=_channel_id(cfg))
     return make_sender("broadcast", init_method=_require_init_method(cfg),
-                       n_actors=cfg.actor.num_actors, device=cfg.trainer.device,
+                       n_actors=_n_receivers(cfg), device=cfg.trainer.device,
                        bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s)
 
 
@@ -73,7 +87,7 @@ def open_weight_receiver(cfg: Config, actor_id: int) -> WeightReceiver:
     if cfg.sync.backend == "shm":
         return make_receiver("shm", run_id=_channel_id(cfg), timeout_s=cfg.sync.timeout_s)
     return make_receiver("broadcast", init_method=_require_init_method(cfg), actor_id=actor_id,
-                         n_actors=cfg.actor.num_actors, device=cfg.engine.device,
+                         n_actors=_n_receivers(cfg), device=cfg.engine.device,
                          timeout_s=cfg.sync.timeout_s)
 
 

@@ -136,6 +136,14 @@ class Trainer:
             model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
         )
         self.scheduler = make_scheduler(self.optimizer, tc)
+        # The KL penalty's reference: the starting model, frozen; loaded only when used.
+        self.ref_model: torch.nn.Module | None = None
+        if tc.loss.kl_coef > 0:
+            from pipelinerl.models.hf import load_model
+
+            param = next(model.parameters())
+            self.ref_model = load_model(cfg.model.path, dtype=param.dtype, device=param.device)
+            self.ref_model.eval().requires_grad_(False)
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
         self.samples_trained = 0
         self.started_at = time.monotonic()
@@ -143,6 +151,7 @@ class Trainer:
         self.publish_s = 0.0
         self.tokens_trained = 0
         self.success_ema: float | None = None
+        self.published_version = 0  # version 0 is the model every role starts from
 
     def batches(self) -> Iterator[list[Group]]:
         """Yields one batch of groups per optimizer step, on the configured schedule."""
@@ -165,7 +174,7 @@ class Trainer:
 
         t0 = time.monotonic()
         metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
-                          num_sequences=num_sequences)
+                          num_sequences=num_sequences, ref_model=self.ref_model)
         self.scheduler.step()
         self.compute_s += time.monotonic() - t0
         self.step += 1
@@ -180,6 +189,17 @@ class Trainer:
         t0 = time.monotonic()
         self.sender.publish(trainer_weights(self.model), self.step)
         self.publish_s = time.monotonic() - t0
+        self.published_version = self.step
+
+    def publish_final(self) -> bool:
+        """Publish the final weights unless this step's already went out; False without a
+        channel."""
+        if self.sender is None:
+            return False
+        if self.published_version != self.step:
+            self.sender.publish(trainer_weights(self.model), self.step)
+            self.published_version = self.step
+        return True
 
     def step_record(self, groups: list[Group], metrics: dict[str, Any]) -> dict[str, Any]:
         assert self.source is not None
@@ -288,9 +308,11 @@ def _out_of_time(cfg: Config, trainer: Trainer, rank: int, world: int) -> bool:
 def run_trainer(cfg: Config) -> None:
     from pipelinerl.metrics.logger import MetricsLogger, open_new_jsonl
     from pipelinerl.models.hf import load_model
+    from pipelinerl.evaluation import EvalResults
     from pipelinerl.roles import (
         check_run_id_unused,
         open_control_writer,
+        open_eval_reader,
         open_rollout_reader,
         open_weight_sender,
     )
@@ -315,16 +337,19 @@ def run_trainer(cfg: Config) -> None:
     wrapped: torch.nn.Module = model
     if world > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    source = sender = control = None
+    source = sender = control = evals = None
     if is_main:
         max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
         source = BatchSource(open_rollout_reader(cfg), cfg.actor.group_size, max_lag,
                              cfg.trainer.sample_timeout_s)
         sender = open_weight_sender(cfg)
         control = open_control_writer(cfg)
+        if cfg.eval.enabled:
+            evals = EvalResults(open_eval_reader(cfg), logger.log)
     trainer = Trainer(cfg, wrapped, source, sender)
     batches = trainer.batches() if is_main else None
     bar = progress_bar(cfg, enabled=cfg.metrics.progress and is_main)
+    stop_written = False
     try:
         while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, rank, world):
             groups = next(batches) if batches is not None else None
@@ -338,6 +363,9 @@ def run_trainer(cfg: Config) -> None:
             logger.log(trainer.step, record)
             audit.write(json.dumps({"step": trainer.step, "trained": [g.group_id for g in groups],
                                     "dropped": trainer.source.take_dropped_ids()}) + "\n")
+            if evals is not None:
+                evals.made(trainer.step, record["time_s"])
+                evals.drain()
             advance_progress(bar, cfg, record["time_s"])
             bar.set_postfix(step=trainer.step, reward=f"{record['reward']:.2f}",
                             success=f"{record['success_ema']:.2f}",
@@ -346,7 +374,17 @@ def run_trainer(cfg: Config) -> None:
         if is_main:
             # Before the stop record: the actors, and after them the launcher, leave only once
             # the final weights are on disk, so a slow save is never cut short.
-            _save_final(cfg, model, logger.path)
+            _save_final(cfg, model)
+            # The evaluator takes the final weights from the channel once the stop record
+            # says they are there; the plot waits for its result.
+            final_published = evals is not None and trainer.publish_final()
+            control.write({"type": "stop", "step": trainer.step,
+                           "final_published": final_published})
+            stop_written = True
+            if final_published:
+                evals.wait_final(cfg.eval.final_timeout_s)
+            if cfg.metrics.plot:
+                _plot(cfg, logger.path)
         if world > 1:
             # The other ranks wait for rank 0's save, so all leave the group together: a rank
             # that tore down its DDP model and group early left rank 0 hanging at exit.
@@ -354,8 +392,11 @@ def run_trainer(cfg: Config) -> None:
     finally:
         bar.close()
         if is_main:
-            control.write({"type": "stop", "step": trainer.step})
+            if not stop_written:
+                control.write({"type": "stop", "step": trainer.step})
             control.close()
+            if evals is not None:
+                evals.reader.close()
             logger.close()
             audit.close()
             if sender is not None:
@@ -365,13 +406,16 @@ def run_trainer(cfg: Config) -> None:
             dist.destroy_process_group()
 
 
-def _save_final(cfg: Config, model: torch.nn.Module, metrics_path: Path) -> None:
-    """The trained model as `final/` (atomically) and the metrics plot."""
-    from pipelinerl.metrics.logger import read_metrics
-    from pipelinerl.metrics.plot import plot_run
+def _save_final(cfg: Config, model: torch.nn.Module) -> None:
+    """The trained model as `final/` (atomically)."""
     from pipelinerl.models.hf import load_tokenizer, save_model
 
     final = save_model(model, load_tokenizer(cfg.model.path), cfg.run_dir / "final")
     log.info("saved final weights to %s", final)
-    if cfg.metrics.plot:
-        plot_run(read_metrics(metrics_path), cfg.run_dir / "metrics.png", title=cfg.name)
+
+
+def _plot(cfg: Config, metrics_path: Path) -> None:
+    from pipelinerl.metrics.logger import read_metrics
+    from pipelinerl.metrics.plot import plot_run
+
+    plot_run(read_metrics(metrics_path), cfg.run_dir / "metrics.png", title=cfg.name)

@@ -26,7 +26,8 @@ PANELS = (
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(time_s, value) of the records that hold `key` (actor stats and held-out accuracy come
     only on some steps; JSONL null stands for a non-finite value)."""
-    pts = [(r["time_s"], r[key]) for r in records if r.get(key) is not None]
+    pts = sorted((r["time_s"], r[key]) for r in records
+                 if r.get(key) is not None and r.get("time_s") is not None)
     return [t for t, _ in pts], [v for _, v in pts]
 
 
@@ -40,7 +41,8 @@ def _plot(ax: Axes, records: list[dict[str, Any]], key: str, label: str, **style
 def _success(ax: Axes, records: list[dict[str, Any]]) -> None:
     _plot(ax, records, "success", "batch", alpha=0.35)
     _plot(ax, records, "success_ema", "batch (EMA)")
-    _plot(ax, records, "heldout_success", "held-out", marker="o", color="tab:red")
+    _plot(ax, records, "eval/sampled/pass@1", "held-out (sampled)", marker="o", color="tab:red")
+    _plot(ax, records, "eval/greedy", "held-out (greedy)", marker="s", color="tab:brown")
     ax.set_ylim(0, 1)
     ax.legend(loc="lower right", fontsize="small")
 

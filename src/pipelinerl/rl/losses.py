@@ -105,6 +105,14 @@ def gspo_loss(
     return -_masked_sum(_clipped_surrogate(ratio, seq_adv, eps, eps_high), has_tokens) / normalizer
 
 
+def reference_k3(new_logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per token, Schulman's (2020) k3 estimate of KL(pi || ref) (`trainer.loss.kl_coef`):
+    exp(ref - new) - (ref - new) - 1 >= 0, the gradient flowing through the trainer's
+    log-probs only. As in GRPO, the tokens are the sampled ones, without an importance weight."""
+    diff = ref_logprobs.detach() - new_logprobs
+    return torch.exp(diff) - diff - 1
+
+
 def tis_clip_active(clip_c: float) -> ClipActive:
     """REINFORCE-TIS: tokens whose truncation changed their gradient, rho > c with A != 0 (the
     gradient is -min(rho, c) * A * grad log pi / B: with A = 0 it is zero whatever the weight)."""

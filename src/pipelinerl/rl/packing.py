@@ -220,9 +220,22 @@ def _entropy(x: Tensor, lse: Tensor) -> Tensor:
     return torch.special.entr(p, out=p).sum(-1)
 
 
+def _log_probs_of_kept(x: Tensor, lse: Tensor) -> Tensor:
+    """log softmax(x) with the dropped tokens (x = -inf) at 0 instead of -inf: their
+    probability is 0, and 0 * -inf would be NaN in a product or its gradient."""
+    return (x - lse[:, None]).masked_fill(x == float("-inf"), 0.0)
+
+
+def _entropy_with_grad(x: Tensor, lse: Tensor) -> Tensor:
+    """`_entropy` through autograd: H = -sum p log p over the kept tokens."""
+    p = torch.exp(x - lse[:, None])
+    return -(p * _log_probs_of_kept(x, lse)).sum(-1)
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     """log_softmax(logits[rows] / T)[targets], computed in token chunks, optionally under the
-    engine's top-k / top-p truncation; and the entropy of each row's distribution (no grad).
+    engine's top-k / top-p truncation; and the entropy of each row's distribution (with a
+    gradient only when `entropy_grad`).
 
     Autograd through log_softmax would keep an fp32 (K, vocab) copy alive for backward; this
     keeps only the logits (model dtype), one fp32 chunk at a time and, when truncating, one
@@ -238,6 +251,7 @@ class _SelectedLogprobs(torch.autograd.Function):
         temperature: float,
         chunk: int,
         truncation: tuple[int, float] | None = None,
+        entropy_grad: bool = False,
     ) -> tuple[Tensor, Tensor]:
         out = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
@@ -252,16 +266,18 @@ class _SelectedLogprobs(torch.autograd.Function):
             lse[s:e] = torch.logsumexp(x, dim=-1)
             out[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
             entropy[s:e] = _entropy(x, lse[s:e])
-        ctx.save_for_backward(logits, rows, targets, lse, threshold)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(logits, rows, targets, lse, threshold, entropy)
+        ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, _grad_entropy: Tensor | None
-    ) -> tuple[Tensor, None, None, None, None, None]:
-        logits, rows, targets, lse, threshold = ctx.saved_tensors
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, grad_entropy: Tensor | None
+    ) -> tuple[Tensor, None, None, None, None, None, None]:
+        logits, rows, targets, lse, threshold, entropy = ctx.saved_tensors
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
         grad = torch.zeros_like(logits)
         for s in range(0, rows.numel(), ctx.chunk):
             e = s + ctx.chunk
@@ -271,9 +287,17 @@ class _SelectedLogprobs(torch.autograd.Function):
                 # Dropped tokens get exp(-inf) = 0: the kept set is a stop-gradient choice.
                 x = _keep_sampled(x, threshold[s:e, None], targets[s:e])
             # d/dx (x_target - logsumexp x) = onehot(target) - softmax(x); chain through /T.
-            dx = torch.exp(x - lse[s:e, None]).mul_(-g).scatter_add_(-1, targets[s:e, None], g)
+            p = torch.exp(x - lse[s:e, None])
+            if with_entropy:
+                # dH/dx = -p (log p + H), 0 on the dropped tokens (p = 0).
+                log_p = _log_probs_of_kept(x, lse[s:e])
+                h_term = log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None].float())
+                dx = h_term.add_(g).mul_(-p)
+            else:
+                dx = p.mul_(-g)
+            dx.scatter_add_(-1, targets[s:e, None], g)
             grad.index_add_(0, rows[s:e], dx.div_(ctx.temperature).to(grad.dtype))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 @dataclass
@@ -281,7 +305,8 @@ class TokenScores:
     """The trainer's view of a batch's trained tokens, aligned with its fields."""
 
     logprobs: Tensor  # (K,) float32, with grad: log pi(a_t)
-    entropy: Tensor  # (K,) float32, no grad: entropy of pi at the position predicting a_t
+    # (K,) float32: entropy of pi at the position predicting a_t; with grad if entropy_grad
+    entropy: Tensor
 
 
 def score_tokens(
@@ -291,6 +316,7 @@ def score_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = False,
 ) -> TokenScores:
     """Trainer log-probs of the batch's trained tokens and the entropy of the distribution
     each is scored under, aligned with its fields.
@@ -299,7 +325,8 @@ def score_tokens(
     truncated to the top-k (0: off), then top-p (1: off), set and renormalised
     (`engine.sampling`; the sampled token is always kept, see `_keep_sampled`). Gradients
     flow through the kept logits only; the entropy (of that same truncated, tempered
-    distribution) is computed from the same logits without a graph. Only the grid columns
+    distribution) is computed from the same logits without a graph, or with one when
+    `entropy_grad` (an entropy bonus in the loss). Only the grid columns
     that predict a trained token are projected onto the vocabulary (`logits_to_keep`), so
     prompt positions cost no lm_head work in packed rows (padded rows keep the union of those
     columns over their rows). Beyond `chunk_tokens` trained tokens (default: 2^26 / vocab) the
@@ -329,9 +356,10 @@ def score_tokens(
             x = _keep_sampled(x, truncation_threshold(x, *truncation), batch.target_ids)
         lse = torch.logsumexp(x, dim=-1)
         logprobs = x.gather(-1, batch.target_ids[:, None]).squeeze(-1) - lse
-        return TokenScores(logprobs, _entropy(x.detach(), lse.detach()))
+        entropy = _entropy_with_grad(x, lse) if entropy_grad else _entropy(x.detach(), lse.detach())
+        return TokenScores(logprobs, entropy)
     logprobs, entropy = _SelectedLogprobs.apply(
-        flat, flat_rows, batch.target_ids, temperature, chunk, truncation
+        flat, flat_rows, batch.target_ids, temperature, chunk, truncation, entropy_grad
     )
     return TokenScores(logprobs, entropy)
 

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import fields
-from typing import Any
+from dataclasses import fields, replace
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from pipelinerl.config import Config, LossConfig
-from pipelinerl.rl.advantages import groups_advantages
+from pipelinerl.config import Config, EngineConfig, LossConfig, TrainerConfig
+from pipelinerl.rl.advantages import groups_advantages, is_truncated
 from pipelinerl.rl.losses import (
     LossStats,
     gspo_loss,
     importance_mask,
     ppo_clip_active,
     ppo_clip_loss,
+    reference_k3,
     reinforce_tis_loss,
     tis_clip_active,
 )
-from pipelinerl.rl.packing import PackedBatch, pack, pad, score_tokens
-from pipelinerl.types import Group
+from pipelinerl.rl.packing import PackedBatch, TokenScores, pack, pad, score_tokens
+from pipelinerl.types import Group, Sample
+
+# (temperature, top_k, top_p) the trainer scores tokens under.
+Scoring = tuple[float, int, float]
 
 
 def rl_step(
@@ -31,40 +35,35 @@ def rl_step(
     cfg: Config,
     trainer_version: int,
     num_sequences: int | None = None,
+    ref_model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
     """Advantages, micro-batched loss and backward, gradient clipping, optimizer step.
 
     `groups` is this rank's shard; `num_sequences` the number of sequences in the whole step
     across ranks (B in the loss). `model` may be wrapped in DistributedDataParallel: its
-    gradients are then all-reduced once, on the last micro-batch. Returns the step's metrics:
+    gradients are then all-reduced once, on the last micro-batch. `ref_model`: the frozen
+    reference of `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics:
     loss, grad norm, and `LossStats` (ESS, lag, mismatch) over every trained token of every rank.
     """
     tc = cfg.trainer
+    loss_cfg = tc.loss
+    if loss_cfg.kl_coef > 0 and ref_model is None:
+        raise ValueError("trainer.loss.kl_coef > 0 needs the reference model (ref_model)")
     samples = [s for g in groups for s in g.samples]
     world = dist.get_world_size() if dist.is_initialized() else 1
     num_sequences = num_sequences or len(samples)
-    advantages = groups_advantages(groups, tc.advantage.baseline, tc.advantage.std_normalize)
-    if tc.packing:
-        batches = pack(samples, advantages, tc.max_tokens_per_row)
-    else:
-        batches = pad(samples, advantages, tc.max_tokens_per_row)
-    # Score under the distribution the engine sampled from: logits / T, truncated to top-k and
-    # top-p (`engine.sampling`). Greedy (T = 0) is scored at T = 1, untruncated, as reported.
-    ec = cfg.engine
-    sampled = ec.temperature > 0
-    temperature = ec.temperature if sampled else 1.0
-    top_k, top_p = (ec.top_k, ec.top_p) if sampled else (0, 1.0)
-    loss_cfg = tc.loss
+    scoring = _scoring(cfg.engine)
+    device = next(model.parameters()).device
+    batches = _batches_with_advantages(model, groups, tc, scoring, device)
     if loss_cfg.kind == "reinforce":
         clip_active = tis_clip_active(loss_cfg.is_clip)
     else:
         clip_active = ppo_clip_active(loss_cfg.eps_low, loss_cfg.eps_high)
     stats = LossStats()
-    total_loss = 0.0
-    input_tokens = 0
-    device = next(model.parameters()).device
+    totals = {"loss": 0.0, "input_tokens": 0.0, "is_masked": 0.0, "kl_ref": 0.0}
+    step_log_weights = torch.zeros(sum(b.num_sequences for b in batches), dtype=torch.float64,
+                                   device=device)
     normalizer = _loss_normalizer(loss_cfg, batches, num_sequences, device)
-    is_masked = 0
     optimizer.zero_grad(set_to_none=True)
     for i, batch in enumerate(batches):
         batch = batch.to(device)
@@ -73,22 +72,27 @@ def rl_step(
         is_last = i == len(batches) - 1
         sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            scores = score_tokens(model, batch, temperature, top_k=top_k, top_p=top_p)
+            scores = score_tokens(model, batch, *scoring, entropy_grad=loss_cfg.entropy_coef > 0)
             new_lp = scores.logprobs
             mask = None
             if loss_cfg.is_mask is not None:
                 mask = importance_mask(new_lp, batch.old_logprobs, *loss_cfg.is_mask)
-                is_masked += int((~mask).sum())
+                totals["is_masked"] += int((~mask).sum())
             loss = _policy_loss(loss_cfg, new_lp, batch, normalizer, mask)
+            loss, kl_sum = _regularized(loss, loss_cfg, scores, batch, normalizer, ref_model,
+                                        scoring)
+            totals["kl_ref"] += kl_sum
             (loss * world).backward()
-        total_loss += loss.item()
-        input_tokens += batch.num_input_tokens
+        totals["loss"] += loss.item()
+        totals["input_tokens"] += batch.num_input_tokens
+        if loss_cfg.ess_lr_scale:
+            _add_log_weights(step_log_weights, batch, new_lp)
         stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
                   clip_active, entropy=scores.entropy)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-    optimizer.step()
-    totals = {"loss": total_loss, "input_tokens": float(input_tokens),
-              "is_masked": float(is_masked)}
+    lr_scale = _sequence_ess(step_log_weights) ** 0.5 if loss_cfg.ess_lr_scale else 1.0
+    with _scaled_lr(optimizer, lr_scale):
+        optimizer.step()
     if world > 1:
         stats, totals = _reduce(stats, totals, device)
     return {
@@ -99,7 +103,122 @@ def rl_step(
         **stats.finalize(),
         **({"is_mask_frac": totals["is_masked"] / max(1, stats.tokens)}
            if loss_cfg.is_mask is not None else {}),
+        **({"kl_ref": totals["kl_ref"] / max(1, stats.tokens)} if loss_cfg.kl_coef > 0 else {}),
+        **({"vcpo_lr_scale": lr_scale} if loss_cfg.ess_lr_scale else {}),
     }
+
+
+def _scoring(ec: EngineConfig) -> Scoring:
+    """Score under the distribution the engine sampled from: logits / T, truncated to top-k and
+    top-p (`engine.sampling`). Greedy (T = 0) is scored at T = 1, untruncated, as reported."""
+    if ec.temperature > 0:
+        return ec.temperature, ec.top_k, ec.top_p
+    return 1.0, 0, 1.0
+
+
+def _batches_with_advantages(model: torch.nn.Module, groups: list[Group], tc: TrainerConfig,
+                             scoring: Scoring, device: torch.device) -> list[PackedBatch]:
+    """The step's micro-batches of trained samples, each token with its sequence's advantage.
+
+    The advantages are attached once the batches exist: the vcpo baseline needs each
+    sequence's importance weight, hence a scoring pass over the batches the loss will use.
+    """
+    samples = [s for g in groups for s in g.samples]
+    trained = _trained_indices(samples, tc.loss)
+    batches = _batches([samples[i] for i in trained], tc)
+    log_weights = None
+    if tc.advantage.baseline == "vcpo":
+        # An untrained sample (empty completion, or masked) keeps log w = 0: w = 1.
+        log_weights = torch.zeros(len(samples), dtype=torch.float64)
+        log_weights[trained] = _sequence_log_weights(model, batches, len(trained), scoring, device)
+    advantages = groups_advantages(
+        groups, tc.advantage.baseline, tc.advantage.std_normalize,
+        truncated=tc.loss.truncated, truncated_reward=tc.loss.truncated_reward,
+        log_weights=log_weights,
+    )[trained]
+    return [replace(b, advantages=advantages[b.seq_idx]) for b in batches]
+
+
+def _trained_indices(samples: list[Sample], loss_cfg: LossConfig) -> list[int]:
+    """The samples with tokens to train: a completion, and not masked as truncated."""
+    masked = loss_cfg.truncated == "mask"
+    return [i for i, s in enumerate(samples) if s.token_ids and not (masked and is_truncated(s))]
+
+
+def _batches(samples: list[Sample], tc: TrainerConfig) -> list[PackedBatch]:
+    """Micro-batches of `samples`, advantages still 0 (seq_idx indexes `samples`)."""
+    zeros = torch.zeros(len(samples))
+    if tc.packing:
+        return pack(samples, zeros, tc.max_tokens_per_row)
+    return pad(samples, zeros, tc.max_tokens_per_row)
+
+
+def _regularized(loss: torch.Tensor, loss_cfg: LossConfig, scores: TokenScores,
+                 batch: PackedBatch, normalizer: float, ref_model: torch.nn.Module | None,
+                 scoring: Scoring) -> tuple[torch.Tensor, float]:
+    """The micro-batch's loss with the entropy bonus and the KL penalty (each only when its
+    coefficient is > 0, on every trained token), and its sum of k3 (0 without the penalty)."""
+    if loss_cfg.entropy_coef > 0:
+        loss = loss - loss_cfg.entropy_coef * scores.entropy.sum() / normalizer
+    if loss_cfg.kl_coef == 0:
+        return loss, 0.0
+    k3 = reference_k3(scores.logprobs, _reference_logprobs(ref_model, batch, scoring))
+    return loss + loss_cfg.kl_coef * k3.sum() / normalizer, k3.detach().sum().item()
+
+
+def _add_log_weights(log_weights: torch.Tensor, batch: PackedBatch, new_lp: torch.Tensor) -> None:
+    """Add each token's log rho = log pi - log mu to its sequence's log importance weight."""
+    log_rho = (new_lp.detach() - batch.old_logprobs).double()
+    log_weights.index_add_(0, batch.seq_idx, log_rho)
+
+
+@torch.no_grad()
+def _sequence_log_weights(model: torch.nn.Module, batches: list[PackedBatch], n: int,
+                          scoring: Scoring, device: torch.device) -> torch.Tensor:
+    """log w_i = sum over sequence i's tokens of log pi - log mu, under the weights about to be
+    trained, from a pass without a graph (the DDP wrapper skipped: nothing to synchronise)."""
+    module = getattr(model, "module", model)
+    log_weights = torch.zeros(n, dtype=torch.float64, device=device)
+    for batch in batches:
+        batch = batch.to(device)
+        _add_log_weights(log_weights, batch, score_tokens(module, batch, *scoring).logprobs)
+    return log_weights.cpu()
+
+
+@torch.no_grad()
+def _reference_logprobs(ref_model: torch.nn.Module, batch: PackedBatch, scoring: Scoring
+                        ) -> torch.Tensor:
+    return score_tokens(ref_model, batch, *scoring).logprobs
+
+
+def _sequence_ess(log_weights: torch.Tensor) -> float:
+    """Kong's normalised ESS (sum w)^2 / (N sum w^2) of the step's N sequence weights, over
+    every rank; 1 with no sequence. Exact for any spread of log w: the weights are divided by
+    the largest (ESS is scale-free) before exp, so none overflows."""
+    top = log_weights.max().reshape(1) if log_weights.numel() else (
+        torch.full((1,), float("-inf"), dtype=torch.float64, device=log_weights.device))
+    if dist.is_initialized():
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    w = torch.exp(log_weights - top)
+    sums = torch.stack([w.sum(), w.square().sum(), w.new_tensor(float(w.numel()))])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    total, total_sq, n = sums.tolist()
+    return total**2 / (n * total_sq) if n else 1.0
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]:
+    """Every param group's lr times `scale` for the duration, then restored exactly, so the lr
+    scheduler never sees the scaling."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved):
+            group["lr"] = lr
 
 
 def _loss_normalizer(loss_cfg: LossConfig, batches: list[PackedBatch], num_sequences: int,

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.math import MathTask
+from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
 TASKS: dict[str, type] = {
     "arithmetic": ChainArithmeticTask,
@@ -54,6 +55,12 @@ def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
         raise ValueError(f"task {name!r}: invalid params: {e}") from e
 
 
+def make_train_task(name: str, params: dict[str, Any] | None, heldout_frac: float) -> Task:
+    """The task as training sees it: without its held-out part (`tasks.split`)."""
+    task = make_task(name, params)
+    return TrainSplit(task, heldout_frac) if heldout_frac > 0 else task
+
+
 __all__ = [
     "TASKS",
     "ChainArithmeticTask",
@@ -62,5 +69,8 @@ __all__ = [
     "Problem",
     "Score",
     "Task",
+    "TrainSplit",
+    "heldout_problems",
     "make_task",
+    "make_train_task",
 ]

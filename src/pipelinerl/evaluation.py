@@ -1,0 +1,375 @@
+"""Held-out evaluation: the evaluator role, its passes, and the trainer's side of its results.
+
+Why a role of its own, with its own engine, rather than a share of an actor's engine: an
+actor's weights change between two decode steps, so an evaluation sequence spread over a few
+hundred steps would mix a dozen versions and measure no policy. The evaluator loads a version
+at the start of a pass and keeps it to the end (every token of a pass is checked to carry
+it), so each figure belongs to one version. It also leaves the actors' scheduling untouched
+and works with every engine backend. Its cost is CPU (or accelerator) time while a pass runs,
+measured in docs/evaluation.md.
+
+Flow: the trainer publishes weights as usual; the evaluator is one more receiver of the weight
+channel. It evaluates version 0 at once, then the newest version whenever `eval.every_steps`
+or `eval.every_s` is due, and the final weights once the trainer's stop record says they are
+published. Each result goes to the run's `eval` stream; the trainer logs it to metrics.jsonl
+(as `eval/...` keys, at the step of the version evaluated and the wall-clock time that version
+was made) and waits for the final one before it plots and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+import torch
+
+from pipelinerl.config import Config, EvalConfig
+from pipelinerl.engine.base import Engine
+from pipelinerl.scoring import Scorer
+from pipelinerl.tasks.base import Problem, Task
+from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+EVAL_PREFIX = "eval/"
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class EvalMode:
+    name: str  # "greedy" or "sampled"
+    params: SamplingParams
+    attempts: int  # per problem
+
+
+def eval_modes(cfg: EvalConfig, base: SamplingParams) -> list[EvalMode]:
+    """Greedy (one attempt, untruncated) and/or sampled at eval.temperature with the engine's
+    top-k / top-p (eval.samples attempts)."""
+    modes = []
+    if cfg.greedy:
+        modes.append(EvalMode("greedy", replace(base, temperature=0.0, top_k=0, top_p=1.0), 1))
+    if cfg.temperature > 0:
+        modes.append(EvalMode("sampled", replace(base, temperature=cfg.temperature), cfg.samples))
+    return modes
+
+
+@dataclass
+class _Tally:
+    """One mode's outcome: successes per problem, completion lengths, verifier failures."""
+
+    attempts: int
+    solved: dict[int, int] = field(default_factory=dict)
+    tokens: int = 0
+    completions: int = 0
+    truncated: int = 0
+    failures: int = 0
+
+    def metrics(self, name: str, n_problems: int) -> dict[str, float]:
+        counts = [self.solved.get(i, 0) for i in range(n_problems)]
+        prefix = f"{EVAL_PREFIX}{name}"
+        out = {
+            prefix if name == "greedy" else f"{prefix}/pass@1":
+                sum(counts) / (n_problems * self.attempts),
+            f"{prefix}/completion_len": self.tokens / max(1, self.completions),
+            f"{prefix}/truncated_frac": self.truncated / max(1, self.completions),
+            f"{prefix}/verifier_failures": float(self.failures),
+        }
+        if self.attempts > 1:
+            # pass@k with k = n = attempts: 1 - C(n - c, k) / C(n, k) is 1 iff c > 0.
+            out[f"{prefix}/pass@{self.attempts}"] = sum(c > 0 for c in counts) / n_problems
+        return out
+
+
+def evaluate(
+    engine: Engine,
+    problems: list[Problem],
+    prompt_ids: list[list[int]],
+    modes: list[EvalMode],
+    scorer: Scorer,
+    decode: Callable[[list[int]], str],
+    between_steps: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """One pass over `problems` with the weights the engine holds, which must not change
+    during the pass (`between_steps` runs between two decode steps and must not load any).
+    A completion whose verification fails (raises, hangs, crashes) counts as unsolved and is
+    counted in `<mode>/verifier_failures`."""
+    version = engine.version
+    t0 = time.monotonic()
+    queue = deque(
+        GenerationRequest(f"{m}|{i}|{a}", list(ids), mode.params)
+        for m, mode in enumerate(modes)
+        for i, ids in enumerate(prompt_ids)
+        for a in range(mode.attempts)
+    )
+    tallies = [_Tally(mode.attempts) for mode in modes]
+    pending: dict[str, list[GenerationOutput]] = {}
+    unscored = 0  # groups submitted to the scorer and not yet back
+    while queue or engine.num_active():
+        while queue and engine.num_active() < engine.capacity:
+            engine.add_request(queue.popleft())
+        for out in engine.step():
+            if any(v != version for v in out.versions):
+                raise RuntimeError(f"evaluation of version {version} got tokens of versions "
+                                   f"{sorted(set(out.versions))}: the weights changed mid-pass")
+            m, i, _ = out.request_id.split("|")
+            key = f"{m}|{i}"
+            outs = pending.setdefault(key, [])
+            outs.append(out)
+            if len(outs) == modes[int(m)].attempts:
+                tally = tallies[int(m)]
+                for o in outs:
+                    tally.completions += 1
+                    tally.tokens += len(o.token_ids)
+                    tally.truncated += o.finish_reason == "length"
+                stop = [o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids for o in outs]
+                scorer.submit(key, problems[int(i)], [decode(ids) for ids in stop])
+                unscored += 1
+                del pending[key]
+        unscored -= _collect(scorer, tallies, modes)
+        between_steps()
+    while unscored:
+        scorer.wait(POLL_S)
+        unscored -= _collect(scorer, tallies, modes)
+    out: dict[str, float] = {}
+    for mode, tally in zip(modes, tallies):
+        out.update(tally.metrics(mode.name, len(problems)))
+    out[f"{EVAL_PREFIX}num_problems"] = float(len(problems))
+    out[f"{EVAL_PREFIX}duration_s"] = time.monotonic() - t0
+    return out
+
+
+def _collect(scorer: Scorer, tallies: list[_Tally], modes: list[EvalMode]) -> int:
+    """Tally the scored groups; returns how many came back."""
+    scored = scorer.poll()
+    for s in scored:
+        m, i = (int(x) for x in s.key.split("|"))
+        if s.scores is None:
+            tallies[m].failures += modes[m].attempts
+            continue
+        tallies[m].solved[i] = sum(score.success for score in s.scores)
+    return len(scored)
+
+
+def fitting_problems(problems: list[Problem], encode: Callable[[str], list[int]],
+                     max_prompt_tokens: int) -> tuple[list[Problem], list[list[int]]]:
+    """The problems whose prompt fits the engine, with their token ids; those that do not
+    are left out with a warning (they cannot be answered, so they say nothing of the policy)."""
+    kept, ids = [], []
+    for problem in problems:
+        enc = encode(problem.prompt)
+        if len(enc) <= max_prompt_tokens:
+            kept.append(problem)
+            ids.append(enc)
+    if len(kept) < len(problems):
+        log.warning("evaluation: %d of %d held-out prompts are longer than the %d tokens that "
+                    "fit and are left out", len(problems) - len(kept), len(problems),
+                    max_prompt_tokens)
+    if not kept:
+        raise ValueError(f"no held-out prompt fits in {max_prompt_tokens} tokens: raise "
+                         "engine.max_seq_len or lower engine.max_new_tokens")
+    return kept, ids
+
+
+@dataclass
+class EvalSetup:
+    """Everything a pass needs apart from the weights."""
+
+    problems: list[Problem]
+    prompt_ids: list[list[int]]
+    modes: list[EvalMode]
+    scorer: Scorer
+    decode: Callable[[list[int]], str]
+
+    def run(self, engine: Engine, between_steps: Callable[[], None] = lambda: None
+            ) -> dict[str, float]:
+        return evaluate(engine, self.problems, self.prompt_ids, self.modes, self.scorer,
+                        self.decode, between_steps)
+
+
+def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
+    """The held-out problems (`tasks.split`), the tokenizer's view of them, the verifier and
+    an engine with the model at `model_path`, as the config asks."""
+    from pipelinerl.actor import sampling_from_config
+    from pipelinerl.engine import make_engine
+    from pipelinerl.models.hf import encode_prompt, load_tokenizer
+    from pipelinerl.tasks import heldout_problems, make_task
+
+    task: Task = make_task(cfg.task.name, cfg.task.params)
+    problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
+    tokenizer = load_tokenizer(model_path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer at {model_path} has no eos token: the engine needs a stop token")
+    base = sampling_from_config(cfg.engine, (tokenizer.eos_token_id,))
+    problems, prompt_ids = fitting_problems(
+        problems, lambda text: encode_prompt(tokenizer, text),
+        cfg.engine.max_seq_len - cfg.engine.max_new_tokens)
+    engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity})
+    engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
+    scorer = Scorer(task, cfg.actor.verifier_timeout_s, cfg.actor.verifier_workers)
+    setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer,
+                      lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    return setup, engine
+
+
+def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
+    """`pipelinerl eval MODEL_DIR CONFIG`: one pass over the task's held-out set with the
+    config's eval and engine settings; prints one line per figure, then the figures as JSON."""
+    import json
+    import sys
+
+    torch.set_num_threads(cfg.eval.threads)
+    try:
+        setup, engine = build_eval_setup(cfg, model_dir)
+    except (OSError, ValueError) as e:
+        print(f"pipelinerl eval: {e}", file=sys.stderr)
+        return 2
+    try:
+        metrics = setup.run(engine)
+    finally:
+        setup.scorer.close()
+    print(f"{model_dir}: {len(setup.problems)} held-out problems of task {cfg.task.name!r} "
+          f"(task.heldout_frac={cfg.task.heldout_frac}, eval.seed={cfg.eval.seed})")
+    for key, value in metrics.items():
+        print(f"  {key:<40} {value:.4f}")
+    print(json.dumps(metrics))
+    return 0
+
+
+# -- the evaluator role -----------------------------------------------------------------------
+
+
+class _Due:
+    """When the newest weights are due for evaluation (eval.every_steps / eval.every_s)."""
+
+    def __init__(self, cfg: EvalConfig) -> None:
+        self.cfg = cfg
+        self.last_version = -1
+        self.last_time = time.monotonic()
+
+    def __call__(self, version: int) -> bool:
+        if version <= self.last_version:
+            return False
+        if self.last_version < 0:
+            return True
+        steps = self.cfg.every_steps and version - self.last_version >= self.cfg.every_steps
+        seconds = self.cfg.every_s and time.monotonic() - self.last_time >= self.cfg.every_s
+        return bool(steps or seconds)
+
+    def done(self, version: int) -> None:
+        self.last_version, self.last_time = version, time.monotonic()
+
+
+class _Staging:
+    """The newest published weights, received into a copy of the model's tensors, so the
+    engine's own weights change only between passes. With a channel whose sender waits for
+    every receiver at each publish (broadcast), every version is taken as it comes, during a
+    pass too; with shared memory only a version that is wanted."""
+
+    def __init__(self, receiver: Any, tensors: Mapping[str, torch.Tensor], follow: bool) -> None:
+        self.receiver = receiver
+        self.tensors = tensors
+        self.follow = follow
+        self.version = 0
+
+    def pump(self, want: Callable[[int], bool] = lambda version: False) -> None:
+        newest = self.receiver.poll()
+        if newest is not None and (self.follow or want(newest)):
+            self.version = self.receiver.receive_into(self.tensors)
+
+
+def run_evaluator(cfg: Config) -> None:
+    from pipelinerl.models.hf import load_model
+    from pipelinerl.roles import open_control_reader, open_eval_writer, open_weight_receiver
+
+    torch.set_num_threads(cfg.eval.threads)
+    setup, engine = build_eval_setup(cfg, cfg.model.path)
+    staging = _Staging(
+        open_weight_receiver(cfg, cfg.actor.num_actors),
+        {k: t.clone() for k, t in load_model(cfg.model.path).state_dict().items()},
+        follow=cfg.sync.backend == "broadcast",
+    )
+    writer = open_eval_writer(cfg)
+    control = open_control_reader(cfg)
+    due = _Due(cfg.eval)
+
+    def run_pass(final: bool) -> None:
+        if staging.version != engine.version:
+            engine.load_weights(staging.tensors, staging.version)
+        version = engine.version
+        if final and due.last_version == version:
+            # Evaluated already: the record only marks the end (the trainer logs no repeat).
+            writer.write({"version": version, "final": True})
+            return
+        metrics = setup.run(engine, between_steps=staging.pump)
+        due.done(version)
+        log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
+        writer.write({"version": version, "final": final, **metrics})
+
+    try:
+        run_pass(final=False)  # version 0: the starting policy, before any update
+        stop: dict[str, Any] | None = None
+        while stop is None:
+            staging.pump(want=due)
+            if due(staging.version):
+                run_pass(final=False)
+            records = control.read(max_count=1, timeout_s=0.0)
+            stop = records[0] if records else None
+            if stop is None:
+                time.sleep(POLL_S)
+        if stop.get("final_published"):
+            _await_version(staging, int(stop["step"]), cfg.sync.timeout_s)
+            run_pass(final=True)
+    finally:
+        setup.scorer.close()
+        writer.close()
+        control.close()
+        staging.receiver.close()
+
+
+def _await_version(staging: _Staging, version: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while staging.version < version:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the final weights (version {version}) did not arrive within "
+                               f"sync.timeout_s={timeout_s:.0f} s")
+        staging.pump(want=lambda v: True)
+        time.sleep(POLL_S)
+
+
+# -- the trainer's side -----------------------------------------------------------------------
+
+
+class EvalResults:
+    """Reads the evaluator's results and logs them to metrics.jsonl: each at the step of the
+    version evaluated (its `step`) and the wall-clock time that version was made (its
+    `time_s`), so held-out accuracy plots against time like every other curve."""
+
+    def __init__(self, reader: Any, log_fn: Callable[[int, dict[str, Any]], None]) -> None:
+        self.reader = reader
+        self.log_fn = log_fn
+        self.version_time: dict[int, float] = {0: 0.0}
+        self.final_logged = False
+
+    def made(self, version: int, time_s: float) -> None:
+        self.version_time[version] = time_s
+
+    def drain(self, timeout_s: float = 0.0) -> None:
+        for record in self.reader.read(max_count=64, timeout_s=timeout_s):
+            version = int(record.pop("version"))
+            self.final_logged |= bool(record.pop("final", False))
+            if record:  # else only the end marker of a version already logged
+                self.log_fn(version, {"time_s": self.version_time.get(version), **record,
+                                      f"{EVAL_PREFIX}version": version})
+
+    def wait_final(self, timeout_s: float) -> bool:
+        """Log results until the final one came; False if it did not within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.final_logged and time.monotonic() < deadline:
+            self.drain(timeout_s=0.5)
+        if not self.final_logged:
+            log.warning("the evaluator's final result did not come within "
+                        "eval.final_timeout_s=%.0f s; see logs/evaluator.log", timeout_s)
+        return self.final_logged

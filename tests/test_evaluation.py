@@ -1,0 +1,204 @@
+"""Held-out evaluation: the split training never sees, one evaluation pass through the real
+torch engine, and (slow) the evaluator role in a whole run and `pipelinerl eval`."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from fake_tasks import AnswerTask, FirstAttemptTask
+from pipelinerl.config import ConfigError, EvalConfig, load_config
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.evaluation import EvalMode, evaluate, eval_modes
+from pipelinerl.scoring import Scorer
+from pipelinerl.tasks import ChainArithmeticTask, TrainSplit, heldout_problems, make_train_task
+from pipelinerl.tasks.split import MAX_REDRAWS, heldout_fraction_of, is_heldout
+from pipelinerl.types import SamplingParams
+from tiny_models import VOCAB, tiny_hf_model
+
+torch.set_num_threads(1)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
+
+
+# ---- the split -----------------------------------------------------------------------------
+
+
+def test_split_is_a_stable_fraction_of_problem_ids() -> None:
+    ids = [f"arith:{i}" for i in range(20_000)]
+    places = [heldout_fraction_of(i) for i in ids]
+    assert places == [heldout_fraction_of(i) for i in ids]  # no per-process salt
+    assert all(0.0 <= p < 1.0 for p in places)
+    held = sum(is_heldout(i, 0.1) for i in ids) / len(ids)
+    assert abs(held - 0.1) < 0.01  # binomial sd of 20k draws at 0.1: 0.002
+    assert not any(is_heldout(i, 0.0) for i in ids)
+
+
+def test_training_never_draws_a_heldout_problem_and_evaluation_only_those() -> None:
+    task = ChainArithmeticTask()
+    train = make_train_task("arithmetic", {}, 0.1)
+    rng = random.Random(0)
+    drawn = {train.sample_problem(rng).problem_id for _ in range(20_000)}
+    heldout = heldout_problems(task, 500, seed=0, heldout_frac=0.1)
+    assert len(heldout) == 500 and all(is_heldout(p.problem_id, 0.1) for p in heldout)
+    assert not drawn & {p.problem_id for p in heldout}
+    assert not any(is_heldout(i, 0.1) for i in drawn)
+    # The same set for every process and call with the same seed, another with another seed.
+    assert heldout == heldout_problems(ChainArithmeticTask(), 500, seed=0, heldout_frac=0.1)
+    assert heldout != heldout_problems(task, 500, seed=1, heldout_frac=0.1)
+    # Without a split, short chains repeat: held-out ids do occur among unfiltered draws.
+    raw = {task.sample_problem(rng).problem_id for _ in range(20_000)}
+    assert raw & {p.problem_id for p in heldout}
+
+
+def test_train_split_keeps_the_task_interface_and_pickles() -> None:
+    train = make_train_task("arithmetic", {"max_terms": 4}, 0.2)
+    assert isinstance(train, TrainSplit)
+    assert train.name == "arithmetic" and train.alphabet == ChainArithmeticTask.alphabet
+    assert train.params() == {**ChainArithmeticTask(max_terms=4).params(), "heldout_frac": 0.2}
+    problem = train.sample_problem(random.Random(1))
+    assert train.score(problem, f"A={problem.answer}").success
+    assert train.demonstration(problem, random.Random(0), 0.0).endswith(f"A={problem.answer:02d}")
+    clone = pickle.loads(pickle.dumps(train))  # the verifier workers unpickle it
+    assert clone.params() == train.params()
+    assert make_train_task("arithmetic", {}, 0.0).__class__ is ChainArithmeticTask
+
+
+def test_a_split_that_leaves_nothing_fails_naming_the_key() -> None:
+    one = AnswerTask([True])
+    frac = heldout_fraction_of("answer:0")
+    with pytest.raises(RuntimeError, match=f"{MAX_REDRAWS} draws.*task.heldout_frac"):
+        TrainSplit(one, frac + 1e-9).sample_problem(random.Random(0))
+    with pytest.raises(RuntimeError, match="raise task.heldout_frac"):
+        heldout_problems(one, 1, seed=0, heldout_frac=frac - 1e-9)
+
+
+def test_eval_config_is_checked() -> None:
+    with pytest.raises(ConfigError, match="task.heldout_frac > 0"):
+        load_config(EXAMPLE, ["eval.enabled=true", "task.heldout_frac=0"])
+    with pytest.raises(ConfigError, match="nothing to evaluate"):
+        load_config(EXAMPLE, ["eval.enabled=true", "eval.greedy=false", "eval.temperature=0"])
+    modes = eval_modes(EvalConfig(temperature=0.7, samples=4), SamplingParams(top_k=5, top_p=0.9))
+    assert [(m.name, m.params.temperature, m.params.top_k, m.params.top_p, m.attempts)
+            for m in modes] == [("greedy", 0.0, 0, 1.0, 1), ("sampled", 0.7, 5, 0.9, 4)]
+
+
+# ---- one pass through the torch engine -------------------------------------------------------
+
+
+def _engine(capacity: int = 8) -> TorchEngine:
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, capacity=capacity, max_seq_len=64)
+    engine.load_weights(hf.state_dict(), version=3)
+    return engine
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (2 + i % 5,), generator=gen).tolist() for i in range(n)]
+
+
+def _run(task, engine: TorchEngine, modes: list[EvalMode], workers: int = 2, **kw):
+    problems = task.problems()
+    scorer = Scorer(task, timeout_s=30, workers=workers)
+    try:
+        return evaluate(engine, problems, _prompts(len(problems)), modes, scorer,
+                        decode=lambda ids: " ".join(map(str, ids)), **kw)
+    finally:
+        scorer.close()
+
+
+SOLVABLE = [True, False, True, True, False, False, True, False, False, True, True, False, True]
+
+
+def test_a_pass_scores_every_problem_once_per_attempt() -> None:
+    # 13 problems, 7 solvable; the engine holds 8 sequences, so problems queue behind others.
+    base = SamplingParams(max_new_tokens=6)
+    modes = [EvalMode("greedy", SamplingParams(max_new_tokens=6, temperature=0.0), 1),
+             EvalMode("sampled", base, 3)]
+    out = _run(FirstAttemptTask(SOLVABLE), _engine(), modes)
+    assert out["eval/greedy"] == pytest.approx(7 / 13)
+    # Sampled: 3 attempts, exactly the first scored of a solvable problem succeeds. The
+    # greedy attempt was the first, so none of the sampled ones does.
+    assert out["eval/sampled/pass@1"] == 0.0 and out["eval/sampled/pass@3"] == 0.0
+    out = _run(FirstAttemptTask(SOLVABLE), _engine(), modes[1:])
+    assert out["eval/sampled/pass@1"] == pytest.approx(7 / 13 / 3)
+    assert out["eval/sampled/pass@3"] == pytest.approx(7 / 13)
+    assert out["eval/num_problems"] == 13
+    assert 1 <= out["eval/sampled/completion_len"] <= 6
+    assert 0 <= out["eval/sampled/truncated_frac"] <= 1
+
+
+def test_a_failing_verifier_counts_as_unsolved_and_is_counted() -> None:
+    solvable: list = list(SOLVABLE)
+    solvable[0] = solvable[1] = None  # AnswerTask.score raises on these (in worker processes)
+    modes = [EvalMode("greedy", SamplingParams(max_new_tokens=4, temperature=0.0), 1)]
+    out = _run(AnswerTask(solvable), _engine(), modes)
+    assert out["eval/greedy"] == pytest.approx(6 / 13)
+    assert out["eval/greedy/verifier_failures"] == 2
+
+
+def test_weights_changing_mid_pass_are_refused() -> None:
+    engine = _engine(capacity=2)
+    weights = tiny_hf_model("qwen2", seed=1).state_dict()
+    modes = [EvalMode("greedy", SamplingParams(max_new_tokens=8, temperature=0.0), 1)]
+    with pytest.raises(RuntimeError, match="weights changed mid-pass"):
+        _run(AnswerTask(SOLVABLE), engine, modes,
+             between_steps=lambda: engine.load_weights(weights, version=4))
+
+
+# ---- the evaluator role in a run, and `pipelinerl eval` (slow) ------------------------------
+
+
+def _run_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return [
+        f"name={name}", f"output_dir={tmp_path / 'runs'}",
+        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20",
+        "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
+        "trainer.max_steps=6", "metrics.progress=false",
+        "eval.enabled=true", "eval.num_problems=24", "eval.every_steps=2", "eval.every_s=0",
+        "eval.samples=2", *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["shm", "broadcast"])
+def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(tmp_path, sync):
+    from pipelinerl.launch import launch
+
+    cfg = load_config(EXAMPLE, _run_overrides(tmp_path, f"eval-{sync}", f"sync.backend={sync}"))
+    assert launch(cfg) == 0
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/version" in r]
+    steps = [r for r in records if "eval/version" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    versions = [r["eval/version"] for r in evals]
+    # Version 0 first, the final weights last, each version once, every step of one version.
+    assert versions[0] == 0 and versions[-1] == 6 and versions == sorted(set(versions))
+    made = {r["step"]: r["time_s"] for r in steps} | {0: 0.0}
+    for r in evals:
+        assert r["step"] == r["eval/version"] and r["time_s"] == made[r["step"]]
+        assert 0.0 <= r["eval/greedy"] <= 1.0 and r["eval/num_problems"] == 24
+        assert 0.0 <= r["eval/sampled/pass@1"] <= r["eval/sampled/pass@2"] <= 1.0
+    assert "evaluated version 6" in (cfg.run_dir / "logs" / "evaluator.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_eval_command_evaluates_a_saved_model(tmp_path, capsys):
+    from pipelinerl.cli import main
+    from pipelinerl.launch import prepare_run
+
+    cfg = prepare_run(load_config(EXAMPLE, _run_overrides(tmp_path, "cli")), overwrite=False)
+    overrides = [f"warmstart.cache_dir={tmp_path / 'cache'}", "eval.num_problems=16",
+                 "eval.samples=2"]
+    assert main(["eval", cfg.model.path, str(EXAMPLE), *overrides]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["eval/num_problems"] == 16
+    assert 0.0 <= figures["eval/sampled/pass@1"] <= figures["eval/sampled/pass@2"] <= 1.0
+    assert main(["eval", str(tmp_path / "missing"), str(EXAMPLE)]) == 2
+    assert "does not exist" in capsys.readouterr().err
