@@ -60,3 +60,17 @@ def test_malformed_override_and_missing_file(tmp_path):
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
 def test_examples_validate(path):
     load_config(path)
+
+
+def test_overrides_may_come_before_and_after_the_overwrite_flag(monkeypatch) -> None:
+    import pipelinerl.launch
+    from pipelinerl.cli import main
+
+    seen: dict = {}
+    monkeypatch.setattr(pipelinerl.launch, "launch",
+                        lambda cfg, overwrite=False: seen.update(cfg=cfg, overwrite=overwrite) or 0)
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml")
+    assert main(["train", example, "trainer.lr=1e-5", "--overwrite", "name=x"]) == 0
+    assert seen["overwrite"] and seen["cfg"].name == "x" and seen["cfg"].trainer.lr == 1e-5
+    with pytest.raises(SystemExit):  # argparse's usage error: an unknown option stays one
+        main(["train", example, "--overwrite", "--bogus", "name=x"])

@@ -58,7 +58,15 @@ def _run_role(role: str, cfg: Config, fn, *args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may follow an option (`train CONFIG --overwrite key=value`): argparse leaves
+    # those unparsed, and they join the others.
+    args, rest = parser.parse_known_args(argv)
+    unknown = [item for item in rest if item.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)

@@ -68,6 +68,7 @@ def _mismatch_kl(ax: Axes, records: list[dict[str, Any]]) -> None:
     _plot(ax, records, "mismatch_abs_lag0", "same, lag 0", alpha=0.6)
     _plot(ax, records, "mismatch_k3", "KL k3")
     _plot(ax, records, "kl_k1", "KL k1", alpha=0.6)
+    _plot(ax, records, "kl_ref", "KL(pi||ref) k3", ls="--")  # with trainer.loss.kl_coef > 0
     ax.legend(loc="upper right", fontsize="small")
 
 
