@@ -1,19 +1,162 @@
-"""Smoke test of the learning-speed benchmark: both schedules run end to end (not timed)."""
+"""The learning-speed benchmark: its statistics and report on synthetic runs (fast), and the
+`--quick` smokes of learning_speed.py and trl_grpo.py end to end (slow, not timed)."""
 
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_speed.py"
+import learning_speed as ls  # noqa: E402
+
+HEADLINE = re.compile(r"^Learning speed-up \(pipeline vs (.+?)\): (\d+\.\dx|not measured)", re.M)
+RULE_A = "best conventional, rule (a): one core per role"
+RULE_B = "best conventional, rule (b): the whole machine per phase"
+SCALING = {"engine": {"1": 100.0, "2": 180.0}, "trainer": {"1": 120.0, "2": 200.0}}
 
 
-def test_quick_mode_runs_pipeline_and_conventional(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path)],
+def fake_run(reach_at: float | None, samples_per_s: float = 100.0) -> ls.Run:
+    """Held-out pass@1 0.3, then 0.6 from `reach_at` seconds on (never when None)."""
+    times = [0.0, 10.0, 600.0]
+    steps = [{"step": i, "time_s": t, "samples_trained": samples_per_s * t, "ess": 0.99,
+              "lag_mean": 1.0, "actor_mean_update_pause_s": 0.001} for i, t in enumerate(times[1:], 1)]
+    eval_times = sorted({*range(0, 601, 30), *([reach_at] if reach_at is not None else [])})
+    evals = [{"step": v, "time_s": float(t), "eval/version": v,
+              ls.PASS1: 0.6 if reach_at is not None and t >= reach_at else 0.3}
+             for v, t in enumerate(eval_times)]
+    return ls.Run(steps, evals)
+
+
+def plan(target: float = 0.5) -> dict:
+    return {"target": target, "budget_s": 600.0, "seeds": 3, "eval_every_s": 30.0,
+            "eval_problems": 300, "command": "python benchmarks/learning_speed.py --target 0.5",
+            "started": "2026-11-24 10:00", "scaling": SCALING}
+
+
+def test_time_to_target_is_when_the_first_version_at_or_above_it_was_made(tmp_path: Path) -> None:
+    records = [
+        {"step": 1, "time_s": 5.0, "samples_trained": 64},
+        {"step": 2, "time_s": 40.0, "eval/version": 2, ls.PASS1: 0.55},  # logged out of order
+        {"step": 0, "time_s": 0.0, "eval/version": 0, ls.PASS1: 0.3},
+        {"step": 1, "time_s": 5.0, "eval/version": 1, ls.PASS1: 0.52},
+        {"step": 2, "time_s": 40.0, "samples_trained": 128},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = ls.Run.load(tmp_path)
+    assert [r["eval/version"] for r in run.evals] == [0, 1, 2]
+    assert len(run.steps) == 2
+    assert run.time_to(0.5) == 5.0 and run.time_to(0.55) == 40.0 and run.time_to(0.6) is None
+    assert run.samples_per_s() == pytest.approx(128 / 40)
+
+
+def test_t_interval_uses_students_t_and_never_narrows_between_table_entries() -> None:
+    # 70 +- t(0.975, 2) x sd / sqrt(3), sd = 17.32, t = 4.303
+    assert ls.t_interval([60.0, 90.0, 60.0]) == pytest.approx((70.0, 26.97, 113.03), abs=0.01)
+    assert ls.t975(35) == ls.T975[30] and ls.t975(1000) == ls.T975[120]
+
+
+def test_ratio_interval_brackets_the_ratio_and_widens_with_spread() -> None:
+    tight = ls.ratio_interval([150.0, 151.0, 149.0], [70.0, 71.0, 69.0])
+    loose = ls.ratio_interval([100.0, 150.0, 200.0], [50.0, 70.0, 90.0])
+    assert tight[0] < 150 / 70 < tight[1]
+    assert loose[0] < tight[0] and loose[1] > tight[1]
+    assert all(map(lambda x: x != x, ls.ratio_interval([1.0], [2.0])))  # NaN with one seed
+
+
+def test_report_has_headlines_in_order_intervals_bound_and_lower_bounds() -> None:
+    results = {
+        ls.PIPELINE: [fake_run(t, 200.0) for t in (60, 90, 60)],
+        ls.RECOMPUTE: [fake_run(t, 190.0) for t in (90, 90, 120)],
+        "conventional G=2 (a)": [fake_run(t) for t in (120, 150, 180)],
+        "conventional G=4 (a)": [fake_run(t) for t in (None, 300, 330)],
+        "conventional G=2 (b)": [fake_run(t, 110.0) for t in (None, None, 390)],
+        ls.TRL: [fake_run(t, 20.0) for t in (None, None, None)],
+    }
+    text = ls.report(results, plan(), (0.5, 0.5, 0.5))
+    heads = HEADLINE.findall(text)
+    assert [h[0] for h in heads] == [RULE_A, RULE_B, ls.TRL]
+    # Rule (a): G=2 (a) is the fastest, 150 s / 70 s; every seed reached: an interval.
+    assert heads[0][1] == "2.1x"
+    assert "- conventional G=2 (a): 150 s to the target vs the pipeline's 70 s; 95% interval" in text
+    # Rule (b): the only mode missed the target twice, counted at the budget: a lower bound.
+    assert f"{RULE_B}): 7.6x (a lower bound)" in text
+    assert "conventional G=2 (b) reached the target in 1/3 seeds" in text
+    assert f"{ls.TRL}): 8.6x (a lower bound)" in text
+    assert "| conventional G=4 (a) | 3 | > 600 (2/3 reached) |" in text
+    assert "| time to target (s) [95% CI] | final held-out pass@1 [95% CI] |" in text
+    assert re.search(r"\| pipeline \| 3 \| 70 \[\d+, \d+\] \|", text)
+    # Bounds from the role rates: (a) 100 x (1/100 + 1/120), (b) 100 x (1/180 + 1/200).
+    assert "- rule (a), one core per role: bound 1.83x; measured pipeline / fastest " \
+           "conventional (conventional G=2 (a), 100.0 samples/s) = 2.00x" in text
+    assert "- rule (b), the whole machine per phase: bound 1.06x" in text
+    assert "### KV cache kept vs recomputed on weight updates" in text
+    assert "| pipeline recompute-KV | 1.00 [1.00, 1.00] | 0.990 [0.990, 0.990] | 100 [" in text
+
+
+def test_speedup_is_not_measured_when_the_pipeline_misses_or_nothing_compares() -> None:
+    assert ls.speedup([60.0, None], {"x": [90.0, 90.0]}, 600.0) == \
+        "the pipeline reached the target in 1/2 seeds"
+    assert ls.speedup([60.0], {}, 600.0) == "no such mode was run"
+    assert ls.speedup([0.0], {"x": [0.0]}, 600.0) == \
+        "the starting model (version 0) already meets the target"
+
+
+def test_target_is_required_before_the_runs(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(sys, "argv", ["learning_speed.py"])
+    with pytest.raises(SystemExit):
+        ls.parse_args()
+    assert "--target is required" in capsys.readouterr().err
+
+
+def test_report_only_keeps_the_target_chosen_before_the_runs(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps(plan(0.5)))
+    monkeypatch.setattr(sys, "argv", ["learning_speed.py", "--report-only", "--out", str(tmp_path),
+                                      "--target", "0.4"])
+    with pytest.raises(SystemExit, match="chosen before them"):
+        ls.read_plan(ls.parse_args())
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_pipeline_and_conventional(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "learning_speed.py"), "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "| pipeline | 1 |" in text and "| conventional G=2 (a) | 1 |" in text
+    assert [h[0] for h in HEADLINE.findall(text)] == [RULE_A, RULE_B]
+    assert "[95% CI]" in text and "### KV cache kept vs recomputed" in text
+    assert re.search(r"\| engine decode \| \d+\.\d \|", text)
+    assert json.loads((tmp_path / "plan.json").read_text())["target"] == ls.QUICK_TARGET
+    for label in (ls.PIPELINE, "conventional G=2 (a)"):
+        run = ls.Run.load(tmp_path / ls.run_name(label, 0))
+        assert run.evals[0]["eval/version"] == 0 and run.evals[-1]["eval/version"] > 0
+        assert run.evals[-1]["eval/num_problems"] == 16
+    assert (tmp_path / "learning_speed.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                    reason="trl is not installed (the optional bench extra: pip install -e .[bench])")
+def test_trl_quick_trains_and_evaluates_with_the_clock_paused(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "trl_grpo.py"), "--quick", "--threads=1",
+                          f"output_dir={tmp_path}", "metrics.progress=false"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| pipeline |" in out.stdout and "| conventional G=2 |" in out.stdout
-    assert (tmp_path / "learning_speed.png").stat().st_size > 0
+    run = ls.Run.load(tmp_path / "trl_grpo")
+    assert run.steps and run.steps[-1]["samples_trained"] == 16 * run.steps[-1]["step"]
+    versions = [r["eval/version"] for r in run.evals]
+    assert versions[0] == 0 and versions[-1] == run.steps[-1]["step"] and len(versions) >= 3
+    # Evaluation pauses the training clock: the budget holds on it, not on the wall-clock.
+    assert all(r["time_s"] < r["wall_s"] for r in run.evals[1:])
+    assert run.steps[-1]["time_s"] < 15 + 10
+    assert run.evals[-1]["eval/num_problems"] == 16
