@@ -26,7 +26,7 @@ def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
         f"name={name}",
         f"output_dir={tmp_path / 'runs'}",
         f"warmstart.cache_dir={tmp_path / 'cache'}",
-        "warmstart.steps=20",
+        "warmstart.steps=20", "eval.enabled=false",
         "engine.capacity=16",
         "actor.group_size=4",
         "trainer.batch_size=16",

@@ -110,7 +110,7 @@ def test_fake_roles_launcher_exits_promptly_after_sigint_at_random_moments(tmp_p
         proc = subprocess.Popen(
             [sys.executable, "-c", _LAUNCHER, str(fake_python), "train", str(EXAMPLE),
              f"output_dir={out}", f"model.path={model}", "actor.num_actors=2",
-             f"stream.backend={stream}", "metrics.progress=false"],
+             f"stream.backend={stream}", "metrics.progress=false", "eval.enabled=false"],
             env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
         )
         _await_phase(proc, out / "arithmetic", pattern)
@@ -234,7 +234,7 @@ def test_fake_slow_final_save_completes_before_the_actors_are_told_to_stop(
     monkeypatch.setattr(launch_module, "ACTORS_GONE_GRACE_S", 2.0)
     cfg = load_config(EXAMPLE, [
         "name=slowsave", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20",
+        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false",
         "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
         "trainer.max_steps=2", "metrics.progress=false", "metrics.plot=false",
     ])

@@ -139,7 +139,7 @@ def test_two_runs_with_the_same_name_back_to_back_on_one_redis_train_only_their_
 ):
     overrides = [
         "name=again", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "engine.capacity=16",
+        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
         "trainer.batch_size=16", "trainer.max_steps=3", "trainer.sample_timeout_s=30",
         "metrics.progress=false", "metrics.plot=false", "stream.backend=redis",
         f"stream.redis_url={redis_server.url}",

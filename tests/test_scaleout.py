@@ -31,7 +31,7 @@ def _read_all(url: str, run: str, stream: str) -> list[dict]:
 def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_path, redis_server):
     cfg = load_config(EXAMPLE, [
         "name=scaleout", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20",
+        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false",
         "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
         "trainer.max_steps=5", "trainer.num_procs=2", "actor.num_actors=2",
         "stream.backend=redis", f"stream.redis_url={redis_server.url}",

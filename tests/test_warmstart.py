@@ -229,7 +229,7 @@ def test_run_with_progress_off_prints_no_progress_bar(tmp_path: Path) -> None:
            if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")}
     overrides = [
         "name=quiet", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={tmp_path / 'ws'}",
-        "warmstart.steps=20", "engine.capacity=16", "actor.group_size=4",
+        "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16", "actor.group_size=4",
         "trainer.batch_size=16", "trainer.max_steps=2", "trainer.sample_timeout_s=120",
         "metrics.progress=false",
     ]
