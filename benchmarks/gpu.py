@@ -604,6 +604,7 @@ def warm_start_on_device(ctx: Ctx, out_dir: Path, steps: int) -> dict[str, Any]:
 
 def summarise_run(run_dir: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in records if "eval/version" not in r]  # optimizer steps only
     if len(records) < 3:
         return {"steps": len(records)}
     first, last = records[1], records[-1]  # from the second step: past start-up

@@ -629,3 +629,37 @@ def test_vcpo_config() -> None:
     assert cfg.trainer.advantage.baseline == "vcpo" and cfg.trainer.loss.ess_lr_scale
     with pytest.raises(ConfigError, match="baseline"):
         load_config(overrides=["trainer.advantage.baseline=median"])
+
+
+def _ddp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks of `test_a_rank_whose_samples_are_all_masked_joins_the_step`."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(tiny_hf_model("qwen2", seed=1).train())
+    groups = random_groups()[rank:rank + 1]
+    if rank == 1:  # every sample cut at max_new_tokens: nothing left to train on this rank
+        groups[0].samples = [replace(x, finish_reason="length") for x in groups[0].samples]
+    cfg = load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={2 * GROUP}",
+                                 "trainer.loss.truncated=mask"])
+    rl_step(model, torch.optim.SGD(model.parameters(), lr=1.0), groups, cfg, 0,
+            num_sequences=2 * GROUP)
+    torch.save([p.detach() for p in model.module.parameters()], f"{out_dir}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing transformers
+def test_a_rank_whose_samples_are_all_masked_joins_the_step(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    # Without the joining forward, rank 1 would skip DDP's all-reduce and rank 0 would wait
+    # in it until the 60 s timeout failed the step.
+    mp.spawn(_ddp_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    after = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
+    start = list(tiny_hf_model("qwen2", seed=1).parameters())
+    moved = max((a - b).abs().max().item() for a, b in zip(after[0], start))
+    assert moved > 1e-3  # rank 0's samples trained both replicas
+    for a, b in zip(*after):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -327,6 +327,10 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     from pipelinerl.roles import open_control_reader, open_rollout_writer, open_weight_receiver
     from pipelinerl.tasks import make_train_task
 
+    if not 0 <= actor_id < cfg.actor.num_actors:
+        # Receiver id num_actors is the evaluator's: an actor there would take its place.
+        raise ValueError(f"--actor-id {actor_id} is outside [0, actor.num_actors="
+                         f"{cfg.actor.num_actors})")
     torch.set_num_threads(cfg.actor.threads)
     tokenizer = load_tokenizer(cfg.model.path)
     if tokenizer.eos_token_id is None:

@@ -195,6 +195,9 @@ class EvalConfig(_Section):
     temperature: float = Field(default=1.0, ge=0.0)
     samples: int = Field(default=1, gt=0)
     threads: int = Field(default=1, gt=0, description="torch threads for the evaluator")
+    # Empty: engine.device. On GPUs give the evaluator a device of its own (e.g. cuda:1): an
+    # actor's engine (vLLM above all) claims most of its device's memory.
+    device: str = ""
     capacity: int = Field(default=0, ge=0, description="sequences in flight; 0: engine.capacity")
     final_timeout_s: float = Field(
         default=600.0, gt=0, description="how long the trainer waits for the final evaluation"

@@ -133,6 +133,7 @@ def evaluate(
     while unscored:
         scorer.wait(POLL_S)
         unscored -= _collect(scorer, tallies, modes)
+        between_steps()
     out: dict[str, float] = {}
     for mode, tally in zip(modes, tallies):
         out.update(tally.metrics(mode.name, len(problems)))
@@ -189,6 +190,10 @@ class EvalSetup:
                         self.decode, between_steps)
 
 
+def eval_device(cfg: Config) -> str:
+    return cfg.eval.device or cfg.engine.device
+
+
 def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     """The held-out problems (`tasks.split`), the tokenizer's view of them, the verifier and
     an engine with the model at `model_path`, as the config asks."""
@@ -206,7 +211,8 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     problems, prompt_ids = fitting_problems(
         problems, lambda text: encode_prompt(tokenizer, text),
         cfg.engine.max_seq_len - cfg.engine.max_new_tokens)
-    engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity})
+    engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
+                                               "device": eval_device(cfg)})
     engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
     scorer = Scorer(task, cfg.actor.verifier_timeout_s, cfg.actor.verifier_workers)
     setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer,
@@ -223,7 +229,7 @@ def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
     torch.set_num_threads(cfg.eval.threads)
     try:
         setup, engine = build_eval_setup(cfg, model_dir)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"pipelinerl eval: {e}", file=sys.stderr)
         return 2
     try:
@@ -281,16 +287,18 @@ class _Staging:
 
 
 def run_evaluator(cfg: Config) -> None:
+    from pipelinerl.engine import _DTYPES
     from pipelinerl.models.hf import load_model
     from pipelinerl.roles import open_control_reader, open_eval_writer, open_weight_receiver
 
     torch.set_num_threads(cfg.eval.threads)
     setup, engine = build_eval_setup(cfg, cfg.model.path)
-    staging = _Staging(
-        open_weight_receiver(cfg, cfg.actor.num_actors),
-        {k: t.clone() for k, t in load_model(cfg.model.path).state_dict().items()},
-        follow=cfg.sync.backend == "broadcast",
-    )
+    # On the engine's device and in its dtype: one more copy of the model, not an fp32 one
+    # in host memory that every received version would cross.
+    staging_model = load_model(cfg.model.path, dtype=_DTYPES[cfg.engine.dtype],
+                               device=eval_device(cfg))
+    staging = _Staging(open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg)),
+                       staging_model.state_dict(), follow=cfg.sync.backend == "broadcast")
     writer = open_eval_writer(cfg)
     control = open_control_reader(cfg)
     due = _Due(cfg.eval)

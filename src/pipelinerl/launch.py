@@ -288,7 +288,10 @@ def _run(cfg: Config, signals: StopSignals) -> int:
             if signals.stop:
                 break
             procs.append(_spawn(role, args, cfg, threads, to_log))
-        code = None if signals.stop else _supervise(procs[0], procs[1:], signals, run_dir)
+        # After the stop record the actors leave while the trainer may still wait for the
+        # evaluation of its final weights.
+        grace = ACTORS_GONE_GRACE_S + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0)
+        code = None if signals.stop else _supervise(procs[0], procs[1:], signals, run_dir, grace)
         if code is None:
             print("\ninterrupted: stopping all roles (Ctrl-C again to kill them)", file=sys.stderr)
             return signals.exit_code
@@ -316,7 +319,7 @@ def _role_specs(cfg: Config, config_path: str) -> list[tuple[str, list[str], int
 
 
 def _supervise(trainer: RoleProcess, others: list[RoleProcess], signals: StopSignals,
-               run_dir: Path) -> int | None:
+               run_dir: Path, actors_gone_grace_s: float = ACTORS_GONE_GRACE_S) -> int | None:
     """The run's exit code once it ends by itself, or None once a stop signal arrives."""
     procs = [trainer, *others]
     actors = [rp for rp in others if rp.role.startswith("actor")]
@@ -337,7 +340,7 @@ def _supervise(trainer: RoleProcess, others: list[RoleProcess], signals: StopSig
             return 0
         if all(rp.proc.poll() == 0 for rp in actors):
             actors_gone_at = actors_gone_at or time.monotonic()
-            if time.monotonic() - actors_gone_at > ACTORS_GONE_GRACE_S:
+            if time.monotonic() - actors_gone_at > actors_gone_grace_s:
                 _stop_all(procs, signals)
                 print("\nevery actor exited while the trainer was still running",
                       file=sys.stderr)

@@ -83,11 +83,12 @@ def open_weight_sender(cfg: Config) -> WeightSender:
                        bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s)
 
 
-def open_weight_receiver(cfg: Config, actor_id: int) -> WeightReceiver:
+def open_weight_receiver(cfg: Config, actor_id: int, device: str = "") -> WeightReceiver:
+    """Actor `actor_id`'s receiver; the evaluator's is id num_actors (`device`: its own)."""
     if cfg.sync.backend == "shm":
         return make_receiver("shm", run_id=_channel_id(cfg), timeout_s=cfg.sync.timeout_s)
     return make_receiver("broadcast", init_method=_require_init_method(cfg), actor_id=actor_id,
-                         n_actors=_n_receivers(cfg), device=cfg.engine.device,
+                         n_actors=_n_receivers(cfg), device=device or cfg.engine.device,
                          timeout_s=cfg.sync.timeout_s)
 
 

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections import Counter
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -101,7 +102,9 @@ class BatchSource:
             elif time.monotonic() - last_arrival > self.timeout_s:
                 raise TimeoutError(
                     f"no rollout arrived for {self.timeout_s:.0f} s at step {step} (have "
-                    f"{len(batch)}/{n_groups} groups): is every actor alive? See the run's logs/"
+                    f"{len(batch)}/{n_groups} groups): is every actor alive? See the run's logs/ "
+                    "(with actor.drop_zero_variance, actors also drop every group a saturated "
+                    "policy solves or fails entirely: actor_skipped_zero_variance)"
                 )
         return batch
 
@@ -268,8 +271,10 @@ def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, 
     return out
 
 
-def init_distributed(device: str) -> tuple[int, int, str]:
-    """Join the trainer's process group when started by torchrun; returns (rank, world, device)."""
+def init_distributed(device: str, timeout_s: float = 1800.0) -> tuple[int, int, str]:
+    """Join the trainer's process group when started by torchrun; returns (rank, world, device).
+    `timeout_s` bounds every collective, the final barrier included: the other ranks wait there
+    while rank 0 saves and waits for the final evaluation."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, device
@@ -281,7 +286,7 @@ def init_distributed(device: str) -> tuple[int, int, str]:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return rank, world, device
 
 
@@ -319,7 +324,8 @@ def run_trainer(cfg: Config) -> None:
 
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.trainer.seed)
-    rank, world, device = init_distributed(cfg.trainer.device)
+    rank, world, device = init_distributed(
+        cfg.trainer.device, timeout_s=1800.0 + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0))
     n_groups = cfg.trainer.batch_size // cfg.actor.group_size
     if n_groups % world:
         raise ValueError(f"trainer.batch_size / actor.group_size = {n_groups} groups per step "

@@ -31,6 +31,9 @@ class MetricsLogger:
                 raise RuntimeError("metrics.wandb=true needs the wandb package: pip install wandb") from exc
             self._wandb = wandb.init(project=cfg.wandb_project, name=run_name, config=config,
                                      dir=str(run_dir))
+            # Held-out results arrive after later steps: W&B ignores a step below its current
+            # one, so they are plotted against their own version instead.
+            self._wandb.define_metric("eval/*", step_metric="eval/version")
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in values.items()}}
@@ -41,7 +44,10 @@ class MetricsLogger:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
-            self._wandb.log(numeric, step=step)
+            if "eval/version" in numeric:
+                self._wandb.log(numeric)
+            else:
+                self._wandb.log(numeric, step=step)
 
     def close(self) -> None:
         self._file.close()

@@ -65,6 +65,8 @@ def rl_step(
                                    device=device)
     normalizer = _loss_normalizer(loss_cfg, batches, num_sequences, device)
     optimizer.zero_grad(set_to_none=True)
+    if not batches and world > 1:
+        _join_gradient_sync(model, device)
     for i, batch in enumerate(batches):
         batch = batch.to(device)
         # DDP averages gradients over ranks; the loss is a sum over the whole step, so each
@@ -106,6 +108,14 @@ def rl_step(
         **({"kl_ref": totals["kl_ref"] / max(1, stats.tokens)} if loss_cfg.kl_coef > 0 else {}),
         **({"vcpo_lr_scale": lr_scale} if loss_cfg.ess_lr_scale else {}),
     }
+
+
+def _join_gradient_sync(model: torch.nn.Module, device: torch.device) -> None:
+    """A rank with nothing to train this step (every sample masked, e.g. truncated) still
+    takes part in DDP's gradient all-reduce, which the other ranks wait in: a forward over
+    one token whose loss is multiplied by 0 adds exactly nothing."""
+    out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    (out.logits.sum() * 0.0).backward()
 
 
 def _scoring(ec: EngineConfig) -> Scoring:
