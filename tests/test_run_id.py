@@ -164,4 +164,4 @@ def test_two_runs_with_the_same_name_back_to_back_on_one_redis_train_only_their_
     assert [a["step"] for a in audit] == [1, 2, 3] and len(trained) == 3 * 4
     assert set(trained) <= {g.group_id for g in published}
     with open_control_reader(second) as control:
-        assert control.read(10, timeout_s=0.5) == [{"type": "stop", "step": 3}]
+        assert control.read(10, timeout_s=0.5) == [{"type": "stop", "step": 3, "final_published": False}]
