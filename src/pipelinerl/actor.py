@@ -262,7 +262,7 @@ class Actor:
         if len(pending.outputs) == self.group_size:
             # Still in _groups, holding its index, until its scores are in.
             pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
-            completions = [self.decode(_completion_ids(o)) for o in pending.outputs]
+            completions = [self.decode(completion_ids(o)) for o in pending.outputs]
             self.scorer.submit(group_id, pending.problem, completions)
 
     def publish(self, scored: Scored) -> None:
@@ -304,7 +304,7 @@ class Actor:
         self.writer.write(group.to_dict())
 
 
-def _completion_ids(out: GenerationOutput) -> list[int]:
+def completion_ids(out: GenerationOutput) -> list[int]:
     """The tokens the verifier reads: without the stop token the engine includes."""
     return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from pipelinerl.actor import completion_ids
 from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine.base import Engine
 from pipelinerl.scoring import Scorer
@@ -66,6 +67,12 @@ class _Tally:
     completions: int = 0
     truncated: int = 0
     failures: int = 0
+
+    def count(self, outs: list[GenerationOutput]) -> None:
+        """Lengths of one problem's finished attempts."""
+        self.completions += len(outs)
+        self.tokens += sum(len(o.token_ids) for o in outs)
+        self.truncated += sum(o.finish_reason == "length" for o in outs)
 
     def metrics(self, name: str, n_problems: int) -> dict[str, float]:
         counts = [self.solved.get(i, 0) for i in range(n_problems)]
@@ -119,13 +126,8 @@ def evaluate(
             outs = pending.setdefault(key, [])
             outs.append(out)
             if len(outs) == modes[int(m)].attempts:
-                tally = tallies[int(m)]
-                for o in outs:
-                    tally.completions += 1
-                    tally.tokens += len(o.token_ids)
-                    tally.truncated += o.finish_reason == "length"
-                stop = [o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids for o in outs]
-                scorer.submit(key, problems[int(i)], [decode(ids) for ids in stop])
+                tallies[int(m)].count(outs)
+                scorer.submit(key, problems[int(i)], [decode(completion_ids(o)) for o in outs])
                 unscored += 1
                 del pending[key]
         unscored -= _collect(scorer, tallies, modes)
