@@ -7,10 +7,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.rl.losses import reinforce_tis_loss
 from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, token_logprobs
 from pipelinerl.types import Sample
+from tiny_models import reference_truncation
 
 torch.set_num_threads(1)
 
@@ -202,13 +202,7 @@ def test_chunked_logprobs_gradient(truncation: tuple[int, float] | None) -> None
     (got.double() * weights).sum().backward()
     got_grad = logits.grad.clone()
     logits.grad = None
-    x = logits[rows] / t
-    dropped = torch.zeros_like(x, dtype=torch.bool)
-    if truncation:
-        keep = x >= truncation_threshold(x.detach(), *truncation)
-        dropped = ~keep.scatter(-1, targets[:, None], True)
-        x = x.masked_fill(dropped, float("-inf"))
-        assert dropped.any()
+    x, dropped = reference_truncation(logits[rows] / t, targets, truncation)
     want = torch.log_softmax(x, -1).gather(-1, targets[:, None]).squeeze(-1)
     (want * weights).sum().backward()
     torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=0)

@@ -21,7 +21,6 @@ from pipelinerl.config import (
     TrainerConfig,
     load_config,
 )
-from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.rl.advantages import group_advantages, groups_advantages, zero_variance
 from pipelinerl.rl.losses import (
     gspo_loss,
@@ -35,7 +34,7 @@ from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens, to
 from pipelinerl.rl.schedule import lr_factor, make_scheduler
 from pipelinerl.rl.step import _sequence_ess, rl_step
 from pipelinerl.types import Group, Sample
-from tiny_models import VOCAB, tiny_hf_model
+from tiny_models import VOCAB, reference_truncation, tiny_hf_model
 
 torch.set_num_threads(1)
 
@@ -434,13 +433,7 @@ def test_chunked_entropy_gradient_matches_autograd(truncation: tuple[int, float]
     ((lp.double() * w_lp).sum() + (h.double() * w_h).sum()).backward()
     got = logits.grad.clone()
     logits.grad = None
-    x = logits[rows] / t
-    dropped = torch.zeros_like(x, dtype=torch.bool)
-    if truncation:
-        keep = x >= truncation_threshold(x.detach(), *truncation)
-        dropped = ~keep.scatter(-1, targets[:, None], True)
-        x = x.masked_fill(dropped, float("-inf"))
-        assert dropped.any()
+    x, dropped = reference_truncation(logits[rows] / t, targets, truncation)
     log_p = torch.log_softmax(x, -1)
     want_h = -(log_p.exp() * log_p.masked_fill(dropped, 0.0)).sum(-1)
     want_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)

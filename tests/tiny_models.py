@@ -55,3 +55,19 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     return model.eval()
+
+
+def reference_truncation(x: torch.Tensor, targets: torch.Tensor,
+                         truncation: tuple[int, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-autograd reference of the trainer's truncation: `x` with the tokens outside the
+    kept set (the sampled token always kept) at -inf, and the mask of those dropped tokens
+    (asserted non-empty when truncating, so a test cannot pass with nothing cut)."""
+    from pipelinerl.engine.sampling import truncation_threshold
+
+    dropped = torch.zeros_like(x, dtype=torch.bool)
+    if truncation:
+        keep = x >= truncation_threshold(x.detach(), *truncation)
+        dropped = ~keep.scatter(-1, targets[:, None], True)
+        x = x.masked_fill(dropped, float("-inf"))
+        assert dropped.any()
+    return x, dropped
