@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,8 @@ TRL_THREADS = 2  # one process: the whole machine
 PASS1 = "eval/sampled/pass@1"
 ESS_WINDOW = 16  # optimizer steps in the plot's rolling mean
 QUICK_TARGET = 0.1
+RUN_RECORD = "bench.json"  # written when a run finished: when it ran
+PAUSE = "PAUSE"
 QUICK_OVERRIDES = ["warmstart.steps=10", "engine.capacity=16", "actor.group_size=4",
                    "trainer.batch_size=16"]
 # 97.5% quantiles of Student's t by degrees of freedom (scipy is not a dependency). Between two
@@ -101,7 +103,12 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(label: str, seed: int, out: Path, overrides: list[str]) -> Run:
+    """One run, or its finished copy in `out` (a run counts once its bench.json is written)."""
     name = run_name(label, seed)
+    if (out / name / RUN_RECORD).exists():
+        print(f"[learning_speed] {label} seed {seed}: done earlier, kept", flush=True)
+        return Run.load(out / name)
+    wait_while_paused(out)
     common = [f"name={name}", f"output_dir={out}", f"seed={seed}", f"trainer.seed={seed}",
               *overrides, "--overwrite"]
     if label == TRL:
@@ -111,8 +118,24 @@ def run(label: str, seed: int, out: Path, overrides: list[str]) -> Run:
         cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(CONFIG), *MODES[label], *common]
         env = None
     print(f"[learning_speed] {label} seed {seed}: {shlex.join(cmd[1:])}", flush=True)
+    record = {"label": label, "seed": seed, "started": now()}
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
-    return Run.load(out / name)
+    record["finished"] = now()
+    (out / name / RUN_RECORD).write_text(json.dumps(record, indent=1))
+    return Run.load(out / name, record)
+
+
+def wait_while_paused(out: Path) -> None:
+    """Hold the next run while `out/PAUSE` exists: another job may then use the machine without
+    landing inside a timed run (the run in progress finishes first)."""
+    if (out / PAUSE).exists():
+        print(f"[learning_speed] paused: waiting for {out / PAUSE} to go", flush=True)
+        while (out / PAUSE).exists():
+            time.sleep(5)
+
+
+def now() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
 
 
 @dataclass
@@ -121,15 +144,18 @@ class Run:
 
     steps: list[dict[str, Any]]
     evals: list[dict[str, Any]]
+    record: dict[str, Any] = field(default_factory=dict)  # bench.json
 
     @classmethod
-    def load(cls, run_dir: Path) -> "Run":
+    def load(cls, run_dir: Path, record: dict[str, Any] | None = None) -> "Run":
         with (run_dir / "metrics.jsonl").open() as f:
             records = [json.loads(line) for line in f]
         evals = sorted((r for r in records if "eval/version" in r), key=lambda r: r["eval/version"])
         if not evals:
             raise SystemExit(f"{run_dir}: no held-out evaluation; runs need eval.enabled=true")
-        return cls([r for r in records if "eval/version" not in r], evals)
+        if record is None and (run_dir / RUN_RECORD).exists():
+            record = json.loads((run_dir / RUN_RECORD).read_text())
+        return cls([r for r in records if "eval/version" not in r], evals, record or {})
 
     def time_to(self, target: float) -> float | None:
         return next((r["time_s"] for r in self.evals if r[PASS1] >= target), None)
@@ -388,6 +414,16 @@ def kv_section(results: dict[str, list[Run]], target: float, budget_s: float) ->
                   rows)]
 
 
+def run_span(results: dict[str, list[Run]]) -> str:
+    """When the runs were made (they may span sessions: --resume)."""
+    records = [r.record for runs in results.values() for r in runs if r.record]
+    if not records:
+        return "run dates not recorded"
+    days = sorted({r["started"][:10] for r in records})
+    return (f"{len(records)} runs made {min(r['started'] for r in records)} to "
+            f"{max(r['finished'] for r in records)} ({len(days)} day(s))")
+
+
 def report(results: dict[str, list[Run]], plan: dict[str, Any],
            load: tuple[float, float, float]) -> str:
     target, budget_s = plan["target"], plan["budget_s"]
@@ -397,7 +433,8 @@ def report(results: dict[str, list[Run]], plan: dict[str, Any],
         "",
         environment(load).rstrip("\n"),
         f"- runs: `{plan['command']}`, started {plan['started']}; {plan['seeds']} seed(s) per "
-        f"mode, {budget_s:.0f} s of wall-clock each; plot: benchmarks/learning_speed.png",
+        f"mode, {budget_s:.0f} s of wall-clock each, seed by seed through the modes; "
+        f"{run_span(results)}; plot: benchmarks/learning_speed.png",
         f"- target: held-out pass@1 (`{PASS1}`, temperature 1, {plan['eval_problems']} problems "
         f"training never sees) >= {target:.3f}, chosen before the runs and recorded in "
         f"plan.json; time to target = when the first evaluated version at or above it was made. "
@@ -476,19 +513,30 @@ def plot(results: dict[str, list[Run]], target: float, path: Path) -> None:
 
 
 def new_plan(args: argparse.Namespace, labels: list[str], overrides: list[str]) -> dict[str, Any]:
-    """The settings fixed before the runs (the target first), with the role throughputs."""
+    """The settings fixed before the runs (the target first), with the role throughputs; with
+    --resume, the plan of the runs already in --out (refused if the settings changed)."""
     path = args.out / "plan.json"
-    earlier = json.loads(path.read_text())["target"] if path.exists() else args.target
-    if earlier != args.target:
-        raise SystemExit(f"{args.out} holds runs made for target {earlier}: the target is "
-                         "chosen before the runs; use another --out")
+    earlier = json.loads(path.read_text()) if path.exists() else None
+    if earlier is not None and earlier["target"] != args.target:
+        raise SystemExit(f"{args.out} holds runs made for target {earlier['target']}: the target "
+                         "is chosen before the runs; use another --out")
+    fixed = {"target": args.target, "quick": args.quick, "budget_s": args.budget_s,
+             "seeds": args.seeds, "eval_every_s": args.eval_every_s,
+             "eval_problems": args.eval_problems, "overrides": args.overrides}
+    if args.resume:
+        if earlier is None:
+            raise SystemExit(f"--resume: no plan.json in {args.out}; start without --resume")
+        changed = [k for k, v in fixed.items() if earlier[k] != v]
+        if changed:
+            raise SystemExit(f"--resume: {', '.join(changed)} differ from the runs in {args.out} "
+                             f"({', '.join(f'{k}={earlier[k]!r}' for k in changed)})")
+        earlier["modes"] = list(dict.fromkeys([*earlier["modes"], *labels]))
+        path.write_text(json.dumps(earlier, indent=1))
+        return earlier
     cfg = load_config(CONFIG, overrides)
-    plan = {"target": args.target, "quick": args.quick, "budget_s": args.budget_s, "seeds": args.seeds,
-            "modes": labels, "eval_every_s": args.eval_every_s,
-            "eval_problems": args.eval_problems, "overrides": args.overrides,
+    plan = {**fixed, "modes": labels,
             "command": shlex.join(["python", str(Path(sys.argv[0])), *sys.argv[1:]]),
-            "started": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "scaling": measure_scaling(cfg, args.quick)}
+            "started": now(), "scaling": measure_scaling(cfg, args.quick)}
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=1))
     return plan
@@ -506,9 +554,9 @@ def read_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_results(out: Path, labels: list[str], seeds: int) -> dict[str, list[Run]]:
-    """The runs of `labels` found in `out` (a mode not run is left out)."""
+    """The finished runs of `labels` found in `out` (a mode not run is left out)."""
     found = {label: [Run.load(out / run_name(label, s)) for s in range(seeds)
-                     if (out / run_name(label, s) / "metrics.jsonl").exists()] for label in labels}
+                     if (out / run_name(label, s) / RUN_RECORD).exists()] for label in labels}
     return {label: runs for label, runs in found.items() if runs}
 
 
@@ -524,6 +572,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trl", action="store_true",
                    help="add TRL's GRPOTrainer (needs `pip install -e .[bench]`)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "learning_speed")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished runs in --out (same target and settings), run the rest")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the report and plot from the runs in --out")
     p.add_argument("--quick", action="store_true", help="tiny smoke run, not recorded")
@@ -551,8 +601,11 @@ def main() -> None:
     else:
         overrides = run_overrides(args)
         plan = new_plan(args, labels, overrides)
-        results = {label: [run(label, seed, args.out, overrides) for seed in range(args.seeds)]
-                   for label in labels}
+        # Seed by seed, every mode in turn: a drift of the machine's speed over the hours
+        # touches every mode alike, and a benchmark stopped early leaves equal seed counts.
+        runs = {(label, seed): run(label, seed, args.out, overrides)
+                for seed in range(args.seeds) for label in labels}
+        results = {label: [runs[label, seed] for seed in range(args.seeds)] for label in labels}
     if PIPELINE not in results:
         raise SystemExit(f"no pipeline run in {args.out}: it is the reference")
     text = report(results, plan, load)

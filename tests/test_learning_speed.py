@@ -126,6 +126,37 @@ def test_report_only_keeps_the_target_chosen_before_the_runs(tmp_path: Path,
         ls.read_plan(ls.parse_args())
 
 
+def test_resume_keeps_finished_runs_and_refuses_changed_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def args(*extra: str):
+        monkeypatch.setattr(sys, "argv", ["learning_speed.py", "--target", "0.5", "--out",
+                                          str(tmp_path), "--resume", *extra])
+        return ls.parse_args()
+
+    with pytest.raises(SystemExit, match="no plan.json"):
+        ls.new_plan(args(), [ls.PIPELINE], [])
+    (tmp_path / "plan.json").write_text(json.dumps({**plan(0.5), "quick": False, "overrides": [],
+                                                    "modes": [ls.PIPELINE]}))
+    with pytest.raises(SystemExit, match=r"budget_s differ .*budget_s=600\.0"):
+        ls.new_plan(args("--budget-s", "300"), [ls.PIPELINE], [])
+    kept = ls.new_plan(args(), [ls.PIPELINE, ls.RECOMPUTE], [])
+    assert kept["scaling"] == SCALING and kept["modes"] == [ls.PIPELINE, ls.RECOMPUTE]
+    # A finished run (bench.json written) is loaded, never run again: no subprocess here.
+    run_dir = tmp_path / ls.run_name(ls.PIPELINE, 1)
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps(
+        {"step": 0, "time_s": 0.0, "eval/version": 0, ls.PASS1: 0.3}) + "\n")
+    (run_dir / ls.RUN_RECORD).write_text(json.dumps(
+        {"label": ls.PIPELINE, "seed": 1, "started": "2026-11-23 09:00", "finished": "2026-11-23 09:11"}))
+    monkeypatch.setattr(ls.subprocess, "run", lambda *a, **k: pytest.fail("ran again"))
+    again = ls.run(ls.PIPELINE, 1, tmp_path, [])
+    assert again.record["finished"] == "2026-11-23 09:11"
+    assert "1 runs made 2026-11-23 09:00 to 2026-11-23 09:11 (1 day(s))" == ls.run_span({"p": [again]})
+    # A run without bench.json (a crash, or stopped midway) is not a finished run.
+    (run_dir / ls.RUN_RECORD).unlink()
+    assert ls.load_results(tmp_path, [ls.PIPELINE], 3) == {}
+
+
 @pytest.mark.slow
 def test_quick_mode_runs_pipeline_and_conventional(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "learning_speed.py"), "--quick",
