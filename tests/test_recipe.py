@@ -656,3 +656,20 @@ def test_a_rank_whose_samples_are_all_masked_joins_the_step(tmp_path) -> None:
     assert moved > 1e-3  # rank 0's samples trained both replicas
     for a, b in zip(*after):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_non_finite_gradient_skips_the_step() -> None:
+    """A NaN reaching the gradient leaves the weights and Adam's moments as they were."""
+    groups = random_groups()
+    model = tiny_hf_model("qwen2", seed=1).train()
+    cfg = load_config(overrides=[f"actor.group_size={GROUP}", "trainer.batch_size=8"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert rl_step(model, optimizer, groups, cfg, 0)["skipped_nonfinite"] == 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {id(p): optimizer.state[p]["exp_avg"].clone() for p in model.parameters()}
+    groups[0].samples[0].logprobs[0] = float("nan")  # the behaviour log-prob: NaN ratio
+    metrics = rl_step(model, optimizer, groups, cfg, 1)
+    assert metrics["skipped_nonfinite"] == 1 and not math.isfinite(metrics["grad_norm"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(torch.equal(optimizer.state[p]["exp_avg"], moments[id(p)]) for p in model.parameters())

@@ -91,7 +91,7 @@ def test_batch_source_drops_and_counts_groups_with_negative_lag_from_a_fake_stre
     source = BatchSource(_ListReader(records), group_size=1, max_lag=4, timeout_s=5.0)
     assert [g.group_id for g in source.take(1, step=2)] == ["mine"]
     assert source.dropped["negative_lag"] == 1
-    assert source.take_dropped_ids() == ["old"]
+    assert source.take_dropped_ids() == {"negative_lag": ["old"]}
 
 
 def test_batch_source_without_a_lag_bound_still_drops_negative_lag_from_a_fake_stream():

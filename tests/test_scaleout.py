@@ -42,7 +42,7 @@ def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_pat
     audit = [json.loads(line) for line in (cfg.run_dir / "trained.jsonl").read_text().splitlines()]
     assert [a["step"] for a in audit] == [1, 2, 3, 4, 5]
     trained = [gid for a in audit for gid in a["trained"]]
-    dropped = [gid for a in audit for gid in a["dropped"]]
+    dropped = [gid for a in audit for ids in a["dropped"].values() for gid in ids]
     assert len(trained) == 5 * 16 // 4
     # Every group the actors published was trained at most once, or dropped with a reason, or
     # still waiting in the stream when the run stopped: none vanished, none counted twice.

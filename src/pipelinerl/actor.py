@@ -8,7 +8,6 @@ all finished to the scorer (worker processes: verification never stops decoding)
 
 from __future__ import annotations
 
-import heapq
 import logging
 import random
 import time
@@ -34,20 +33,21 @@ MAX_LONG_PROMPTS_IN_A_ROW = 1000  # draws that all fail to fit: the data or conf
 class Schedule:
     """Which groups an actor may start, given the weights it holds: exact quotas, no estimate.
 
-    Groups are numbered globally and dealt to the actors by index: actor a's k-th group has
-    index g = k * num_actors + a. With K = batch_size // group_size groups per optimizer step,
-    group g is expected to be trained at step g // K, so started under weights of version v its
-    first token has lag g // K - v. (The trainer takes groups in arrival order: a group whose
-    generation runs long is trained later, and dropped by the trainer's filter if that makes
-    it too stale.)
-    - pipeline: start group g only if g // K - v <= max_lag. Over all actors, exactly the
-      groups of steps up to v + max_lag are admitted, whatever each actor's pace.
+    An actor's groups hold places, numbered from 0 per actor; places are dealt to the actors
+    in turn: actor a's place k is global place g = k * num_actors + a. With K = batch_size //
+    group_size groups per optimizer step, the group in place g is expected to be trained at
+    step g // K, so started under weights of version v its first token has lag g // K - v. (The
+    trainer takes groups in arrival order: a group whose generation runs long is trained
+    later, and dropped by the trainer's filter if that makes it too stale.)
+    - pipeline: start a group in place g only if g // K - v <= max_lag. Over all actors,
+      exactly the groups of steps up to v + max_lag are admitted, whatever each actor's pace.
     - conventional: with the frozen weights of round r = v // C (C = conventional_g), start
       exactly the groups of round r's C steps, then wait for the trainer's C steps.
-    A group the actor drops (failed verification, or zero reward variance with
-    actor.drop_zero_variance) gives its index back and the actor's next group takes it, so the
-    trainer's batches stay whole. (Groups the trainer drops as stale
-    do not come back: their steps take later groups.)
+    An actor's places in use = its groups published (over every process of it: `Group.seq`)
+    + its groups started and not yet published - those the trainer dropped (it sends their
+    count on the control stream). A group the actor drops itself (failed verification, zero
+    reward variance with actor.drop_zero_variance) or the trainer drops (stale, malformed)
+    so gives its place back, and a later group takes it: the trainer's batches stay whole.
     """
 
     batch_size: int
@@ -57,13 +57,12 @@ class Schedule:
     actor_id: int = 0
     conventional_g: int = 0  # 0: pipeline mode
 
-    def expected_step(self, local_index: int) -> int:
-        """The optimizer step that trains this actor's group `local_index`, absent drops."""
-        global_index = local_index * self.num_actors + self.actor_id
-        return global_index // (self.batch_size // self.group_size)
+    def expected_step(self, place: int) -> int:
+        """The optimizer step that trains the group in this actor's `place`, absent drops."""
+        return (place * self.num_actors + self.actor_id) // (self.batch_size // self.group_size)
 
-    def may_start(self, local_index: int, version: int) -> bool:
-        step = self.expected_step(local_index)
+    def may_start(self, place: int, version: int) -> bool:
+        step = self.expected_step(place)
         if self.conventional_g:
             return step < (version // self.conventional_g + 1) * self.conventional_g
         return step - version <= self.max_lag
@@ -71,10 +70,9 @@ class Schedule:
 
 @dataclass
 class _PendingGroup:
-    """A started group, in the engine or waiting for its scores: it holds its index."""
+    """A started group, in the engine or waiting for its scores: it holds a place."""
 
     problem: Problem
-    index: int  # this actor's group index (see Schedule)
     outputs: list[GenerationOutput] = field(default_factory=list)
 
 
@@ -130,7 +128,14 @@ class Actor:
         drop_zero_variance: bool = False,
         truncated: Truncated = "keep",
         truncated_reward: float = 0.0,
+        returned: Callable[[], int] = lambda: 0,
+        predecessor: dict[str, Any] | None = None,
+        attempt: int = 0,
     ) -> None:
+        """`returned`: how many of this actor's published groups the trainer dropped (the
+        control stream's count). `predecessor`: the newest group an earlier process of this
+        actor published (its stream's last record): this one continues its count and waits for
+        the trainer's current weights before starting anything."""
         self.engine = engine
         self.task = task
         self.encode = encode
@@ -153,9 +158,19 @@ class Actor:
         self.stats = ActorStats()
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
+        self.returned = returned
+        self.attempt = attempt
+        self.published = 0  # groups published, by earlier processes of this actor too
         self._next_group = 0  # for unique group ids
-        self._next_index = 0  # next never-used group index
-        self._free_indices: list[int] = []  # heap: indices given back by dropped groups
+        # Which process of this actor: in the ids of its groups, which are numbered as they
+        # start and published as they finish (so a predecessor's last one is not its highest).
+        self._generation = 0
+        # An actor that continues another (a restart, a resumed run) starts nothing under the
+        # starting model's weights: it waits for the trainer's current ones.
+        self.needs_weights = predecessor is not None and receiver is not None
+        if predecessor is not None:
+            self.published = int(predecessor["seq"])
+            self._generation = generation(predecessor["group_id"]) + 1
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_groups: int | None = None) -> None:
@@ -186,15 +201,22 @@ class Actor:
             return
         t0 = time.monotonic()
         self.engine.receive_weights(self.receiver.receive_into)
+        self.needs_weights = False
         pause = time.monotonic() - t0
         self.stats.weight_updates += 1
         self.stats.last_update_pause_s = pause
         self.stats.total_update_pause_s += pause
 
+    def places_used(self) -> int:
+        """This actor's places in use (see Schedule): the next group takes this place."""
+        return self.published + len(self._groups) - self.returned()
+
     def fill(self) -> None:
+        if self.needs_weights:
+            return
         long_in_a_row = 0
         while self.in_flight + self.group_size <= self.engine.capacity and self.schedule.may_start(
-            self._peek_index(), self.engine.version
+            self.places_used(), self.engine.version
         ):
             if self.start_group():
                 long_in_a_row = 0
@@ -209,7 +231,7 @@ class Actor:
                 )
 
     def start_group(self) -> bool:
-        """Start a group on the next admitted index; False (counted, no index used) if the
+        """Start a group in the next admitted place; False (counted, no place used) if the
         prompt drawn does not fit in the engine."""
         problem = self.task.sample_problem(self.rng)
         prompt_ids = self.encode(problem.prompt)
@@ -217,24 +239,16 @@ class Actor:
             self._skip_long_prompt(problem, len(prompt_ids))
             return False
         group_id = f"a{self.actor_id}-g{self._next_group}"
+        if self._generation:
+            group_id = f"a{self.actor_id}-r{self._generation}-g{self._next_group}"
         self._next_group += 1
-        self._groups[group_id] = _PendingGroup(problem, self._take_index())
+        self._groups[group_id] = _PendingGroup(problem)
         for i in range(self.group_size):
             self.engine.add_request(
                 GenerationRequest(f"{group_id}-{i}", list(prompt_ids), self.sampling)
             )
         self.in_flight += self.group_size
         return True
-
-    def _peek_index(self) -> int:
-        """The index the next group takes: the lowest one given back, else a new one."""
-        return self._free_indices[0] if self._free_indices else self._next_index
-
-    def _take_index(self) -> int:
-        if self._free_indices:
-            return heapq.heappop(self._free_indices)
-        self._next_index += 1
-        return self._next_index - 1
 
     def _skip_long_prompt(self, problem: Problem, n_tokens: int) -> None:
         self.stats.skip("prompt_too_long", problem.problem_id)
@@ -260,7 +274,7 @@ class Actor:
         pending = self._groups[group_id]
         pending.outputs.append(out)
         if len(pending.outputs) == self.group_size:
-            # Still in _groups, holding its index, until its scores are in.
+            # Still in _groups, holding its place, until its scores are in.
             pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
             completions = [self.decode(completion_ids(o)) for o in pending.outputs]
             self.scorer.submit(group_id, pending.problem, completions)
@@ -268,10 +282,9 @@ class Actor:
     def publish(self, scored: Scored) -> None:
         pending = self._groups.pop(scored.key)
         if scored.scores is None:
-            # The group's baseline needs every attempt: drop the whole group, counted, and
-            # give its index back so a replacement keeps the trainer's batches whole.
+            # The group's baseline needs every attempt: drop the whole group, counted; its
+            # place goes back, so a replacement keeps the trainer's batches whole.
             self.stats.skip(scored.reason, pending.problem.problem_id)
-            heapq.heappush(self._free_indices, pending.index)
             return
         samples = [
             Sample(
@@ -291,17 +304,25 @@ class Actor:
                                                      self.truncated_reward):
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
             self.stats.skip("zero_variance", pending.problem.problem_id)
-            heapq.heappush(self._free_indices, pending.index)
             return
         self.stats.groups_published += 1
+        self.published += 1
         group = Group(
             group_id=scored.key,
             prompt=pending.problem.prompt,
             samples=samples,
             actor_id=self.actor_id,
             actor_stats=self.stats.snapshot(self.engine.version),
+            attempt=self.attempt,
+            seq=self.published,
         )
         self.writer.write(group.to_dict())
+
+
+def generation(group_id: str) -> int:
+    """The actor process that started a group: 0 for `a<actor>-g<n>`, r for `a<actor>-r<r>-g<n>`."""
+    parts = group_id.split("-")
+    return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
 
 
 def completion_ids(out: GenerationOutput) -> list[int]:
@@ -324,7 +345,12 @@ def run_actor(cfg: Any, actor_id: int) -> None:
 
     from pipelinerl.engine import make_engine
     from pipelinerl.models.hf import encode_prompt, load_tokenizer
-    from pipelinerl.roles import open_control_reader, open_rollout_writer, open_weight_receiver
+    from pipelinerl.roles import (
+        Control,
+        open_control_reader,
+        open_rollout_writer,
+        open_weight_receiver,
+    )
     from pipelinerl.tasks import make_train_task
 
     if not 0 <= actor_id < cfg.actor.num_actors:
@@ -336,19 +362,23 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer at {cfg.model.path} has no eos token: the engine needs a stop token")
     engine = make_engine(cfg.engine, cfg.model.path, seed=cfg.seed * 1000 + actor_id)
-    control = open_control_reader(cfg)
+    control = Control(open_control_reader(cfg), cfg.attempt)
     last_check = [0.0]
-    stopped = [False]
 
     def should_stop() -> bool:
-        # The trainer writes one stop record when it is done; check a few times a second.
+        # The trainer writes a stop record when it is done, and the count of this actor's
+        # groups it dropped as it goes; read them a few times a second.
         now = time.monotonic()
         if now - last_check[0] > 0.25:
             last_check[0] = now
-            stopped[0] = stopped[0] or bool(control.read(max_count=1, timeout_s=0.0))
-        return stopped[0]
+            control.poll()
+        return control.stop is not None
 
     writer = open_rollout_writer(cfg, actor_id)
+    predecessor = writer.last_record()  # an earlier process of this actor (restart, resume)
+    if predecessor is not None:
+        log.info("actor %d continues after %d groups its earlier process published; its "
+                 "groups in flight then are generated again", actor_id, predecessor["seq"])
     receiver = open_weight_receiver(cfg, actor_id)
     mode_g = cfg.conventional_g if cfg.mode == "conventional" else 0
     actor = Actor(
@@ -376,6 +406,9 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         drop_zero_variance=cfg.actor.drop_zero_variance,
         truncated=cfg.trainer.loss.truncated,
         truncated_reward=cfg.trainer.loss.truncated_reward,
+        returned=lambda: control.returned_to(actor_id),
+        predecessor=predecessor,
+        attempt=cfg.attempt,
     )
     try:
         actor.run()

@@ -18,7 +18,13 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a whole job: warm-start if needed, actor(s), trainer")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run in its directory from its newest checkpoint")
+    train.add_argument("--auto-resume", action="store_true",
+                       help="resume by itself when the trainer dies (trainer.max_restarts=3 "
+                            "unless set)")
 
     trainer = sub.add_parser("trainer", help="run the trainer role only")
     trainer.add_argument("config")
@@ -32,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluator = sub.add_parser("evaluator", help="run the held-out evaluator role only")
     evaluator.add_argument("config")
     evaluator.add_argument("overrides", nargs="*")
+
+    audit = sub.add_parser("audit", help="count a run's groups: published, trained, dropped, "
+                                          "lost, duplicated")
+    audit.add_argument("run_dir", help="the run directory (output_dir/name)")
 
     evaluate = sub.add_parser("eval", help="evaluate a saved model on the task's held-out set")
     evaluate.add_argument("model_dir", help="a local Hugging Face model directory (e.g. RUN/final)")
@@ -68,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "audit":
+        from pipelinerl.audit import main as audit_main
+
+        return audit_main(args.run_dir)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -76,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from pipelinerl.launch import launch
 
-        return launch(cfg, overwrite=args.overwrite)
+        import shlex
+
+        again = shlex.join(["pipelinerl", "train", args.config, *args.overrides, "--resume"])
+        if args.auto_resume and not cfg.trainer.max_restarts:
+            cfg.trainer.max_restarts = 3
+        return launch(cfg, overwrite=args.overwrite, resume=args.resume, resume_command=again)
     if args.command == "eval":
         from pipelinerl.evaluation import evaluate_saved_model
 

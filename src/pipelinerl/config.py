@@ -76,6 +76,9 @@ class ActorConfig(_Section):
     # as skipped_zero_variance) and start a replacement, so the trainer's batches stay full.
     drop_zero_variance: bool = False
     seed: int = 0
+    # A dead actor process is started again this many times (backoff 1, 2, 4... s); the new
+    # one continues its count and takes the newest weights (docs/reliability.md). shm only.
+    max_restarts: int = Field(default=3, ge=0)
 
 
 class LossConfig(_Section):
@@ -165,6 +168,14 @@ class TrainerConfig(_Section):
         default=300.0, gt=0, description="fail loudly if no sample arrives for this long"
     )
     seed: int = 0
+    # Checkpoints (docs/reliability.md): when either bound is reached (0: that bound off), and
+    # always at the end; the newest `checkpoint_keep` complete ones are kept.
+    checkpoint_every_steps: int = Field(default=0, ge=0)
+    checkpoint_every_s: float = Field(default=300.0, ge=0)
+    checkpoint_keep: int = Field(default=2, gt=0)
+    # A dead trainer: the launcher resumes the whole run from the newest checkpoint this many
+    # times (`pipelinerl train --auto-resume` sets 3); 0: the run ends, naming the command.
+    max_restarts: int = Field(default=0, ge=0)
 
 
 class StreamConfig(_Section):
@@ -225,6 +236,10 @@ class Config(_Section):
     # records. `pipelinerl train` sets a fresh one; roles started by hand share one
     # (docs/multinode.md).
     run_id: str = Field(default="", pattern=r"^[A-Za-z0-9_.-]*$")
+    # Launches of this run: 0 for the first, +1 per `--resume` (set by `pipelinerl train`).
+    # Control records and weight channels are per attempt, so a resumed run's roles never take
+    # a stop record or weights from the attempt that crashed.
+    attempt: int = Field(default=0, ge=0)
     mode: Literal["pipeline", "conventional"] = "pipeline"
     # conventional: generate batch_size * conventional_g samples with frozen weights, then take
     # conventional_g optimizer steps on them (the paper's baseline; G = 1 is synchronous RL).

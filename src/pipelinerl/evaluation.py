@@ -281,17 +281,19 @@ class _Staging:
         self.tensors = tensors
         self.follow = follow
         self.version = 0
+        self.received = False
 
     def pump(self, want: Callable[[int], bool] = lambda version: False) -> None:
         newest = self.receiver.poll()
         if newest is not None and (self.follow or want(newest)):
             self.version = self.receiver.receive_into(self.tensors)
+            self.received = True
 
 
 def run_evaluator(cfg: Config) -> None:
     from pipelinerl.engine import _DTYPES
     from pipelinerl.models.hf import load_model
-    from pipelinerl.roles import open_control_reader, open_eval_writer, open_weight_receiver
+    from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
 
     torch.set_num_threads(cfg.eval.threads)
     setup, engine = build_eval_setup(cfg, cfg.model.path)
@@ -302,7 +304,7 @@ def run_evaluator(cfg: Config) -> None:
     staging = _Staging(open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg)),
                        staging_model.state_dict(), follow=cfg.sync.backend == "broadcast")
     writer = open_eval_writer(cfg)
-    control = open_control_reader(cfg)
+    control = Control(open_control_reader(cfg), cfg.attempt)
     due = _Due(cfg.eval)
 
     def run_pass(final: bool) -> None:
@@ -311,24 +313,29 @@ def run_evaluator(cfg: Config) -> None:
         version = engine.version
         if final and due.last_version == version:
             # Evaluated already: the record only marks the end (the trainer logs no repeat).
-            writer.write({"version": version, "final": True})
+            writer.write({"version": version, "final": True, "attempt": cfg.attempt})
             return
         metrics = setup.run(engine, between_steps=staging.pump)
         due.done(version)
         log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
-        writer.write({"version": version, "final": final, **metrics})
+        writer.write({"version": version, "final": final, "attempt": cfg.attempt, **metrics})
 
     try:
-        run_pass(final=False)  # version 0: the starting policy, before any update
-        stop: dict[str, Any] | None = None
-        while stop is None:
+        if cfg.attempt == 0:
+            run_pass(final=False)  # version 0: the starting policy, before any update
+        else:
+            # A resumed run: the checkpoint's version comes first; the crashed attempt may have
+            # evaluated it, so evaluation goes on from the next one due.
+            _await_version(staging, 0, cfg.sync.timeout_s)
+            due.done(staging.version)
+        while control.stop is None:
             staging.pump(want=due)
             if due(staging.version):
                 run_pass(final=False)
-            records = control.read(max_count=1, timeout_s=0.0)
-            stop = records[0] if records else None
-            if stop is None:
+            control.poll()
+            if control.stop is None:
                 time.sleep(POLL_S)
+        stop = control.stop
         if stop.get("final_published"):
             _await_version(staging, int(stop["step"]), cfg.sync.timeout_s)
             run_pass(final=True)
@@ -340,10 +347,11 @@ def run_evaluator(cfg: Config) -> None:
 
 
 def _await_version(staging: _Staging, version: int, timeout_s: float) -> None:
+    """Until weights of `version` or newer were received (not the starting model's)."""
     deadline = time.monotonic() + timeout_s
-    while staging.version < version:
+    while not staging.received or staging.version < version:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the final weights (version {version}) did not arrive within "
+            raise TimeoutError(f"weights of version {version} did not arrive within "
                                f"sync.timeout_s={timeout_s:.0f} s")
         staging.pump(want=lambda v: True)
         time.sleep(POLL_S)
@@ -357,9 +365,11 @@ class EvalResults:
     version evaluated (its `step`) and the wall-clock time that version was made (its
     `time_s`), so held-out accuracy plots against time like every other curve."""
 
-    def __init__(self, reader: Any, log_fn: Callable[[int, dict[str, Any]], None]) -> None:
+    def __init__(self, reader: Any, log_fn: Callable[[int, dict[str, Any]], None],
+                 attempt: int = 0) -> None:
         self.reader = reader
         self.log_fn = log_fn
+        self.attempt = attempt  # results of a crashed attempt's evaluator are not this one's
         self.version_time: dict[int, float] = {0: 0.0}
         self.final_logged = False
 
@@ -368,6 +378,8 @@ class EvalResults:
 
     def drain(self, timeout_s: float = 0.0) -> None:
         for record in self.reader.read(max_count=64, timeout_s=timeout_s):
+            if record.pop("attempt", 0) != self.attempt:
+                continue
             version = int(record.pop("version"))
             self.final_logged |= bool(record.pop("final", False))
             if record:  # else only the end marker of a version already logged

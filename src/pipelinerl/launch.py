@@ -15,9 +15,10 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 from pipelinerl.config import Config, save_config
 
@@ -58,9 +59,17 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def prepare_run(cfg: Config, overwrite: bool) -> Config:
+# What a resumed run may not change (docs/reliability.md): the model, the task and the shape of
+# the batches its checkpoint, streams and admission counts were made for.
+RESUME_FIXED = ("model.path", "model.preset", "task", "mode", "conventional_g",
+                "trainer.batch_size", "actor.group_size", "actor.num_actors", "stream.backend")
+
+
+def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     """Create the run directory, resolve the starting model and the run id, write the resolved
-    config every role reads."""
+    config every role reads. `resume`: the next attempt of the run already there."""
+    if resume:
+        return prepare_resume(cfg)
     cfg = cfg.model_copy(deep=True)
     if not cfg.run_id:
         cfg.run_id = new_run_id()
@@ -81,6 +90,53 @@ def prepare_run(cfg: Config, overwrite: bool) -> Config:
         cfg.sync.init_method = f"tcp://127.0.0.1:{_free_port()}"
     save_config(cfg, run_dir / "config.yaml")
     return cfg
+
+
+def prepare_resume(cfg: Config) -> Config:
+    """The run in cfg.run_dir, continued as its next attempt with `cfg`'s settings; refused if
+    `cfg` changes a RESUME_FIXED key (named). The earlier attempt's logs move to
+    logs/attempt<N>/."""
+    from pipelinerl.config import load_config
+
+    run_dir = cfg.run_dir
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.exists():
+        raise SystemExit(f"--resume: {run_dir} holds no run (no config.yaml): start it without "
+                         "--resume")
+    saved = load_config(saved_path)
+    cfg = cfg.model_copy(deep=True)
+    if not cfg.model.path:  # the warm-started model the run began from
+        cfg.model.path = saved.model.path
+        changed = _changed(saved, cfg, ("warmstart",))
+    else:
+        changed = []
+    changed += _changed(saved, cfg, RESUME_FIXED)
+    if changed:
+        raise SystemExit("--resume: the run in " + str(run_dir) + " was made with other values "
+                         "of " + "; ".join(changed) + ". A resumed run keeps its model, task "
+                         "and batch shape; start a new run (another name=) to change them")
+    cfg.run_id, cfg.attempt = saved.run_id, saved.attempt + 1
+    if cfg.sync.backend == "broadcast" and not cfg.sync.init_method:
+        cfg.sync.init_method = f"tcp://127.0.0.1:{_free_port()}"
+    logs = run_dir / "logs"
+    earlier = logs / f"attempt{saved.attempt}"
+    earlier.mkdir(parents=True, exist_ok=True)
+    for f in logs.iterdir():
+        if f.is_file():
+            f.rename(earlier / f.name)
+    save_config(cfg, saved_path)
+    return cfg
+
+
+def _changed(saved: Config, cfg: Config, keys: tuple[str, ...]) -> list[str]:
+    def value(c: Config, dotted: str) -> object:
+        node: object = c
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return node.model_dump(mode="json") if hasattr(node, "model_dump") else node
+
+    return [f"{k}: {value(saved, k)!r} then, {value(cfg, k)!r} now" for k in keys
+            if value(saved, k) != value(cfg, k)]
 
 
 def starting_model(cfg: Config) -> Path:
@@ -117,9 +173,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool) -> RoleProcess:
+def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool,
+           append: bool = False) -> RoleProcess:
+    """`append`: a restarted role continues its predecessor's log."""
     log_path = cfg.run_dir / "logs" / f"{role}.log"
-    log_file = log_path.open("w") if to_log else None
+    log_file = log_path.open("a" if append else "w") if to_log else None
     if args[0] == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
     else:
@@ -148,13 +206,17 @@ def _die_with_parent() -> None:
 
 
 def _failure_report(rp: RoleProcess, run_dir: Path) -> str:
+    """The role's traceback, else its last log lines, else what ended it: never empty."""
     error_file = run_dir / "logs" / ERROR_FILE.format(role=rp.role)
+    text = ""
     if error_file.exists():
-        return error_file.read_text()
-    if rp.log_path is not None and rp.log_path.exists():
-        lines = rp.log_path.read_text().splitlines()[-30:]
-        return "\n".join(lines)
-    return "(no output captured; see above)"
+        text = error_file.read_text().strip()
+    elif rp.log_path is not None and rp.log_path.exists():
+        text = "\n".join(rp.log_path.read_text(errors="replace").splitlines()[-30:])
+    code = rp.proc.returncode
+    ended = (f"killed by signal {-code} ({signal.Signals(-code).name})"
+             if code is not None and code < 0 else f"exit code {code}")
+    return text or f"(it wrote nothing; {ended})"
 
 
 class StopSignals:
@@ -236,8 +298,10 @@ def _stop_all(procs: list[RoleProcess], signals: StopSignals) -> None:
             rp.log_file.close()
 
 
-def launch(cfg: Config, overwrite: bool = False) -> int:
-    """Run a whole job on this machine; returns the process exit code.
+def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
+           resume_command: str = "") -> int:
+    """Run a whole job on this machine; returns the process exit code. `resume`: continue the
+    run in cfg.run_dir from its newest checkpoint; `resume_command` is shown after a failure.
 
     After a stop signal the handlers stay installed: the process is exiting, and a further
     Ctrl-C must not turn into a traceback on its way out.
@@ -246,7 +310,7 @@ def launch(cfg: Config, overwrite: bool = False) -> int:
     try:
         try:
             with signals.interrupting():  # the warm start, the model check's imports
-                cfg = prepare_run(cfg, overwrite)
+                cfg = prepare_run(cfg, overwrite, resume)
                 check_model(cfg)
         except BaseException:
             if not signals.stop:
@@ -255,7 +319,16 @@ def launch(cfg: Config, overwrite: bool = False) -> int:
             # import may re-raise it as another error.
             print("\ninterrupted", file=sys.stderr)
             return signals.exit_code
-        return _run(cfg, signals)  # starts no role once a stop signal came
+        # Starts no role once a stop signal came.
+        code, failed = _run(cfg, signals, resume_command)
+        for restart in range(1, cfg.trainer.max_restarts + 1):
+            if not (failed or "").startswith("trainer") or signals.stop:
+                break
+            print(f"\nthe trainer died: resuming the run from its newest checkpoint (restart "
+                  f"{restart} of trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr)
+            cfg = prepare_resume(cfg)
+            code, failed = _run(cfg, signals, resume_command)
+        return code
     finally:
         if not signals.stop:
             signals.restore()
@@ -272,7 +345,8 @@ def check_model(cfg: Config) -> None:
         raise SystemExit(f"model.path={cfg.model.path}: {e}") from e
 
 
-def _run(cfg: Config, signals: StopSignals) -> int:
+def _run(cfg: Config, signals: StopSignals, resume_command: str = "") -> tuple[int, str | None]:
+    """The run's exit code, and the role whose failure ended it (None if none did)."""
     run_dir = cfg.run_dir
     config_path = str(run_dir / "config.yaml")
     procs: list[RoleProcess] = []
@@ -284,18 +358,31 @@ def _run(cfg: Config, signals: StopSignals) -> int:
             redis = start_redis_server(dir=run_dir / "redis", preexec_fn=_die_with_parent)
             cfg.stream.redis_url = redis.url
             save_config(cfg, run_dir / "config.yaml")
-        for role, args, threads, to_log in _role_specs(cfg, config_path):
+        specs = {spec[0]: spec for spec in _role_specs(cfg, config_path)}
+        for role, args, threads, to_log in specs.values():
             if signals.stop:
                 break
             procs.append(_spawn(role, args, cfg, threads, to_log))
+
+        def respawn(role: str) -> RoleProcess:
+            _, args, threads, to_log = specs[role]
+            return _spawn(role, args, cfg, threads, to_log, append=True)
+
+        # Only an actor is restarted, and only over shared memory: a broadcast group cannot
+        # take a new member.
+        restarts = cfg.actor.max_restarts if cfg.sync.backend == "shm" else 0
         # After the stop record the actors leave while the trainer may still wait for the
         # evaluation of its final weights.
         grace = ACTORS_GONE_GRACE_S + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0)
-        code = None if signals.stop else _supervise(procs[0], procs[1:], signals, run_dir, grace)
+        code, failed = (None, None) if signals.stop else _supervise(
+            procs, signals, run_dir, grace, Restarts(restarts, respawn))
+        if code and resume_command:
+            print(f"\nthe run can continue from its newest checkpoint: {resume_command}",
+                  file=sys.stderr)
         if code is None:
             print("\ninterrupted: stopping all roles (Ctrl-C again to kill them)", file=sys.stderr)
-            return signals.exit_code
-        return code
+            return signals.exit_code, None
+        return code, failed
     finally:
         _stop_all(procs, signals)  # a no-op for roles already stopped
         if redis is not None:
@@ -318,35 +405,65 @@ def _role_specs(cfg: Config, config_path: str) -> list[tuple[str, list[str], int
     return specs
 
 
-def _supervise(trainer: RoleProcess, others: list[RoleProcess], signals: StopSignals,
-               run_dir: Path, actors_gone_grace_s: float = ACTORS_GONE_GRACE_S) -> int | None:
-    """The run's exit code once it ends by itself, or None once a stop signal arrives."""
-    procs = [trainer, *others]
-    actors = [rp for rp in others if rp.role.startswith("actor")]
+@dataclass
+class Restarts:
+    """Restarts dead actors, each up to `limit` times, with a doubling backoff."""
+
+    limit: int
+    respawn: Callable[[str], RoleProcess]
+    done: Counter = field(default_factory=Counter)
+
+    def try_restart(self, dead: RoleProcess, run_dir: Path, signals: StopSignals) -> RoleProcess | None:
+        if not dead.role.startswith("actor") or self.done[dead.role] >= self.limit:
+            return None
+        if dead.log_file is not None:
+            dead.log_file.close()
+        backoff = 2.0 ** self.done[dead.role]
+        self.done[dead.role] += 1
+        print(f"\n{dead.role} died (exit code {dead.proc.returncode}); restarting it in "
+              f"{backoff:.0f} s (restart {self.done[dead.role]} of {self.limit}). Its last "
+              f"lines:\n{_failure_report(dead, run_dir)}", file=sys.stderr)
+        deadline = time.monotonic() + backoff
+        while time.monotonic() < deadline and not signals.stop:
+            time.sleep(POLL_S)
+        return None if signals.stop else self.respawn(dead.role)
+
+
+def _supervise(procs: list[RoleProcess], signals: StopSignals, run_dir: Path,
+               actors_gone_grace_s: float = ACTORS_GONE_GRACE_S,
+               restarts: Restarts | None = None) -> tuple[int | None, str | None]:
+    """The run's exit code once it ends by itself (None once a stop signal arrives), and the
+    role whose failure ended it. procs[0] is the trainer; a dead actor is replaced in `procs`
+    when `restarts` allows."""
+    trainer = procs[0]
     actors_gone_at: float | None = None
     while not signals.stop:
         failed = next((rp for rp in procs if rp.proc.poll() not in (None, 0)), None)
         if failed is not None:
+            again = restarts.try_restart(failed, run_dir, signals) if restarts else None
+            if again is not None:
+                procs[procs.index(failed)] = again
+                continue
             _stop_all(procs, signals)
             print(f"\n{failed.role} failed with exit code {failed.proc.returncode}:\n"
                   f"{_failure_report(failed, run_dir)}", file=sys.stderr)
-            return 1
+            return 1, failed.role
         if trainer.proc.poll() == 0:
             # The final weights are saved (and evaluated); the other roles see the stop record
             # and leave on their own.
-            _wait_for_exit(others, ACTORS_LEAVE_S, signals)
+            _wait_for_exit(procs[1:], ACTORS_LEAVE_S, signals)
             _stop_all(procs, signals)
             print(f"run finished: {run_dir}", file=sys.stderr)
-            return 0
-        if all(rp.proc.poll() == 0 for rp in actors):
+            return 0, None
+        if all(rp.proc.poll() == 0 for rp in procs if rp.role.startswith("actor")):
             actors_gone_at = actors_gone_at or time.monotonic()
             if time.monotonic() - actors_gone_at > actors_gone_grace_s:
                 _stop_all(procs, signals)
                 print("\nevery actor exited while the trainer was still running",
                       file=sys.stderr)
-                return 1
+                return 1, None
         time.sleep(POLL_S)
-    return None
+    return None, None
 
 
 def _wait_for_exit(procs: list[RoleProcess], timeout_s: float, signals: StopSignals) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from pipelinerl.config import Config
 from pipelinerl.streams import Reader, Writer, open_reader, open_writer
@@ -55,19 +56,64 @@ def open_eval_reader(cfg: Config) -> Reader:
 
 
 def check_run_id_unused(cfg: Config) -> None:
-    """Refuse a run id whose control stream already holds a stop record: a finished run's."""
-    with open_control_reader(cfg) as control:
-        if control.read(max_count=1, timeout_s=0.0):
+    """Refuse a run id and attempt whose control stream already holds a stop record: a
+    finished launch's (a resumed run is a new attempt of the same run id)."""
+    with open_control_reader(cfg) as reader:
+        control = Control(reader, cfg.attempt)
+        control.poll()
+        if control.stop is not None:
             raise RuntimeError(
-                f"run_id {cfg.run_id!r} of run {cfg.name!r} already finished (its stop record is "
-                "in the control stream): give every role of this run a new run_id"
+                f"run_id {cfg.run_id!r} of run {cfg.name!r} (attempt {cfg.attempt}) already "
+                "finished (its stop record is in the control stream): give every role of this "
+                "run a new run_id, or continue it with `pipelinerl train CONFIG --resume`"
             )
 
 
+class Control:
+    """The trainer's control records for one attempt of the run, read as they come: the stop
+    record, and how many of each actor's groups the trainer dropped (their places go back to
+    the actor's admission count). Records of other attempts are ignored: a resumed run's roles
+    must not stop on the crashed attempt's stop record or count its drops."""
+
+    def __init__(self, reader: Reader, attempt: int) -> None:
+        self.reader = reader
+        self.attempt = attempt
+        self.stop: dict[str, Any] | None = None
+        self.returned: dict[str, int] = {}  # actor id (str: JSON keys) -> groups given back
+
+    def poll(self) -> None:
+        while records := self.reader.read(max_count=256, timeout_s=0.0):
+            for record in records:
+                if record.get("attempt", 0) != self.attempt:
+                    continue
+                if record.get("type", "stop") == "stop":
+                    self.stop = record
+                elif record["type"] == "returned":
+                    self.returned = record["returned"]
+
+    def returned_to(self, actor_id: int) -> int:
+        return int(self.returned.get(str(actor_id), 0))
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def write_stop(writer: Writer, cfg: Config, step: int, **extra: Any) -> None:
+    writer.write({"type": "stop", "attempt": cfg.attempt, "step": step, **extra})
+
+
+def write_returned(writer: Writer, cfg: Config, returned: dict[int, int]) -> None:
+    """Cumulative per actor: a reader needs only the newest record."""
+    writer.write({"type": "returned", "attempt": cfg.attempt,
+                  "returned": {str(k): v for k, v in returned.items()}})
+
+
 def _channel_id(cfg: Config) -> str:
-    # Two runs of the same name in different output directories must not share a segment.
+    # Two runs of the same name in different output directories must not share a segment,
+    # nor two attempts of one run: a resumed run's actors must never see the newer weights
+    # the crashed attempt published after its last checkpoint.
     digest = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
-    return f"{cfg.name}-{digest}"
+    return f"{cfg.name}-{digest}-{cfg.attempt}"
 
 
 def _n_receivers(cfg: Config) -> int:

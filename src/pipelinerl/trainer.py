@@ -34,18 +34,43 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchSource:
-    """Pulls whole groups from the stream; drops (and counts) groups beyond the lag bound and
-    groups of negative lag (another run's)."""
+    """Pulls whole groups from the stream; drops (and counts) groups beyond the lag bound,
+    groups of negative lag (another run's) and malformed records. Every drop gives the group's
+    place back to its actor's admission count (`returned`, sent on the control stream), so
+    drops never narrow the pipeline."""
 
     reader: StreamReader
     group_size: int
     max_lag: int | None  # None: no bound (conventional mode bounds lag by construction)
     timeout_s: float
+    # Per earlier attempt of the run, the newest weight version still in this run's history:
+    # the lowest step a later attempt resumed from (docs/reliability.md). Empty: not resumed.
+    valid_upto: dict[int, int] = field(default_factory=dict)
     buffer: list[Group] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
-    dropped_ids: list[str] = field(default_factory=list)
+    dropped_ids: dict[str, list[str]] = field(default_factory=dict)  # by reason, until taken
+    returned: Counter = field(default_factory=Counter)  # actor id -> places given back
+    returned_changed: bool = False
     wait_s: float = 0.0
     actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The checkpoint's part: where the reader stands, what it read and has not trained."""
+        return {"offsets": self.reader.offsets(), "buffered": [g.to_dict() for g in self.buffer],
+                "dropped": dict(self.dropped), "returned": {str(k): v for k, v in self.returned.items()}}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """After opening the reader at snapshot["offsets"]."""
+        self.buffer = [Group.from_dict(d) for d in snapshot["buffered"]]
+        self.dropped = Counter(snapshot["dropped"])
+        self.returned = Counter({int(k): v for k, v in snapshot["returned"].items()})
+        self.returned_changed = True  # the actors of the new attempt learn it at once
+
+    def _give_back(self, actor_id: int, reason: str, group_id: str) -> None:
+        self.dropped[reason] += 1
+        self.dropped_ids.setdefault(reason, []).append(group_id)
+        self.returned[actor_id] += 1
+        self.returned_changed = True
 
     def _pull(self) -> None:
         t0 = time.monotonic()
@@ -57,13 +82,22 @@ class BatchSource:
                 _validate(group, self.group_size)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("dropping a malformed rollout record: %r", exc)
-                self.dropped["malformed"] += 1
+                actor_id = record.get("actor_id") if isinstance(record, dict) else None
+                if isinstance(actor_id, int):
+                    self._give_back(actor_id, "malformed", str(record.get("group_id", "")))
+                else:  # whose place it held is unknown: counted, not given back
+                    self.dropped["malformed"] += 1
                 continue
             self.actor_stats[group.actor_id] = group.actor_stats
             self.buffer.append(group)
 
     def _drop_reason(self, group: Group, step: int) -> str | None:
         newest = max(max(s.versions) for s in group.samples)
+        if group.attempt in self.valid_upto and newest > self.valid_upto[group.attempt]:
+            # Made with weights a crashed attempt published after the checkpoint the run
+            # resumed from: those weights are gone, the group's tokens belong to no policy of
+            # this run's history.
+            return "after_checkpoint"
         if newest > step:
             # Weights the trainer has not produced yet: another run's group (a stream reused
             # by mistake), however small its lag looks.
@@ -76,8 +110,9 @@ class BatchSource:
             return "stale"
         return None
 
-    def take_dropped_ids(self) -> list[str]:
-        ids, self.dropped_ids = self.dropped_ids, []
+    def take_dropped_ids(self) -> dict[str, list[str]]:
+        """Group ids dropped since the last call, by reason (trained.jsonl's `dropped`)."""
+        ids, self.dropped_ids = self.dropped_ids, {}
         return ids
 
     def take(self, n_groups: int, step: int) -> list[Group]:
@@ -89,8 +124,7 @@ class BatchSource:
                 group = self.buffer.pop(0)
                 reason = self._drop_reason(group, step)
                 if reason is not None:
-                    self.dropped[reason] += 1
-                    self.dropped_ids.append(group.group_id)
+                    self._give_back(group.actor_id, reason, group.group_id)
                     continue
                 batch.append(group)
             if len(batch) == n_groups:
@@ -107,6 +141,13 @@ class BatchSource:
                     "policy solves or fails entirely: actor_skipped_zero_variance)"
                 )
         return batch
+
+
+def valid_upto(resumes: list[tuple[int, int]]) -> dict[int, int]:
+    """Per earlier attempt, the newest version still in the run's history: the lowest step
+    any later attempt resumed from (a later resume may go back further than an earlier)."""
+    return {a: min(step for b, step in resumes if b > a) for a, _ in [(0, 0), *resumes]
+            if any(b > a for b, _ in resumes)}
 
 
 def _oldest_version(group: Group) -> int:
@@ -155,6 +196,47 @@ class Trainer:
         self.tokens_trained = 0
         self.success_ema: float | None = None
         self.published_version = 0  # version 0 is the model every role starts from
+        self.resumes: list[tuple[int, int]] = []  # (attempt, the step it resumed from)
+
+    # -- checkpoints (pipelinerl.checkpoint) ------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The JSON part of a checkpoint (rank 0's: it alone reads the stream)."""
+        return {"attempt": self.cfg.attempt, "resumes": self.resumes,
+                "samples_trained": self.samples_trained, "tokens_trained": self.tokens_trained,
+                "elapsed_s": time.monotonic() - self.started_at, "compute_s": self.compute_s,
+                "success_ema": self.success_ema,
+                "source": self.source.snapshot() if self.source is not None else None}
+
+    def save_checkpoint(self, tokenizer: Any) -> Path:
+        from pipelinerl.checkpoint import save_checkpoint
+
+        path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
+                               self.scheduler, self.checkpoint_state(), self.cfg.trainer.checkpoint_keep)
+        log.info("checkpoint of step %d written to %s", self.step, path)
+        return path
+
+    def resume(self, path: Path | None) -> None:
+        """Continue from checkpoint `path` (None: none was complete, start again from the
+        starting model), as attempt cfg.attempt. The stream reader must already stand at the
+        checkpoint's offsets; the source gets back what was read and not trained."""
+        from pipelinerl.checkpoint import load_checkpoint
+
+        state: dict[str, Any] = {"resumes": [], "samples_trained": 0, "tokens_trained": 0,
+                                 "elapsed_s": 0.0, "compute_s": 0.0, "success_ema": None,
+                                 "source": None, "step": 0}
+        if path is not None:
+            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.step = state["step"]
+        self.published_version = -1  # this attempt's channel holds nothing yet
+        self.samples_trained, self.tokens_trained = state["samples_trained"], state["tokens_trained"]
+        self.started_at = time.monotonic() - state["elapsed_s"]  # time_s continues
+        self.compute_s, self.success_ema = state["compute_s"], state["success_ema"]
+        self.resumes = [tuple(r) for r in state["resumes"]] + [(self.cfg.attempt, self.step)]
+        if self.source is not None:
+            if state["source"] is not None:
+                self.source.restore(state["source"])
+            self.source.returned_changed = True  # the new attempt's actors learn it at once
+            self.source.valid_upto = valid_upto(self.resumes)
 
     def batches(self) -> Iterator[list[Group]]:
         """Yields one batch of groups per optimizer step, on the configured schedule."""
@@ -300,26 +382,31 @@ def share_groups(groups: list[Group] | None, rank: int, world: int) -> list[Grou
     return [Group.from_dict(d) for d in payload[0][rank::world]]
 
 
-def _out_of_time(cfg: Config, trainer: Trainer, rank: int, world: int) -> bool:
+def _out_of_time(cfg: Config, trainer: Trainer, rank: int, world: int, device: str) -> bool:
     """The wall-clock budget is rank 0's call, so every rank stops after the same step."""
     if not cfg.trainer.max_time_s:
         return False
-    over = torch.tensor([float(time.monotonic() - trainer.started_at > cfg.trainer.max_time_s)])
+    # On the trainer's device: NCCL broadcasts no CPU tensor.
+    over = torch.tensor([float(time.monotonic() - trainer.started_at > cfg.trainer.max_time_s)],
+                        device=device)
     if world > 1:
         dist.broadcast(over, src=0)
     return bool(over.item())
 
 
 def run_trainer(cfg: Config) -> None:
-    from pipelinerl.metrics.logger import MetricsLogger, open_new_jsonl
-    from pipelinerl.models.hf import load_model
+    from pipelinerl.checkpoint import CheckpointDue, latest_checkpoint, read_state
     from pipelinerl.evaluation import EvalResults
+    from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
+    from pipelinerl.models.hf import load_model, load_tokenizer
     from pipelinerl.roles import (
         check_run_id_unused,
         open_control_writer,
         open_eval_reader,
         open_rollout_reader,
         open_weight_sender,
+        write_returned,
+        write_stop,
     )
 
     torch.set_num_threads(cfg.trainer.threads)
@@ -332,12 +419,18 @@ def run_trainer(cfg: Config) -> None:
                          f"cannot be split evenly over {world} trainer ranks")
     is_main = rank == 0
     run_dir = cfg.run_dir
+    # A resumed run (attempt > 0) continues from its newest complete checkpoint, or from the
+    # starting model when the crashed attempt wrote none.
+    checkpoint = latest_checkpoint(run_dir) if cfg.attempt else None
+    state = read_state(checkpoint)
+    resume_step = (state or {}).get("step", 0) if cfg.attempt else None
     logger = audit = None
     if is_main:
         # Refused before anything loads: a finished run's id, or another launch's files.
         check_run_id_unused(cfg)
-        logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"))
-        audit = open_new_jsonl(run_dir / "trained.jsonl")
+        logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
+                               resume_step=resume_step, attempt=cfg.attempt)
+        audit = open_run_jsonl(run_dir / "trained.jsonl", resume_step, cfg.attempt)
     model = load_model(cfg.model.path, dtype=torch.float32, device=device)
     model.train()
     wrapped: torch.nn.Module = model
@@ -346,18 +439,32 @@ def run_trainer(cfg: Config) -> None:
     source = sender = control = evals = None
     if is_main:
         max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
-        source = BatchSource(open_rollout_reader(cfg), cfg.actor.group_size, max_lag,
+        offsets = state["source"]["offsets"] if state and state["source"] else None
+        source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size, max_lag,
                              cfg.trainer.sample_timeout_s)
         sender = open_weight_sender(cfg)
         control = open_control_writer(cfg)
         if cfg.eval.enabled:
-            evals = EvalResults(open_eval_reader(cfg), logger.log)
+            evals = EvalResults(open_eval_reader(cfg), logger.log, cfg.attempt)
     trainer = Trainer(cfg, wrapped, source, sender)
+    tokenizer = load_tokenizer(cfg.model.path)
+    if resume_step is not None:
+        trainer.resume(checkpoint)
+        log.info("attempt %d resumes at step %d from %s", cfg.attempt, trainer.step,
+                 checkpoint or "the starting model (no complete checkpoint)")
+        if is_main:
+            # The actors of this attempt admit nothing before they hold these weights.
+            trainer.publish_final()
+            if evals is not None:
+                evals.made(trainer.step, time.monotonic() - trainer.started_at)
+    due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
+                        trainer.step)
+    round_steps = cfg.conventional_g if cfg.mode == "conventional" else 1
     batches = trainer.batches() if is_main else None
     bar = progress_bar(cfg, enabled=cfg.metrics.progress and is_main)
     stop_written = False
     try:
-        while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, rank, world):
+        while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, rank, world, device):
             groups = next(batches) if batches is not None else None
             shard = share_groups(groups, rank, world)
             metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)
@@ -369,6 +476,13 @@ def run_trainer(cfg: Config) -> None:
             logger.log(trainer.step, record)
             audit.write(json.dumps({"step": trainer.step, "trained": [g.group_id for g in groups],
                                     "dropped": trainer.source.take_dropped_ids()}) + "\n")
+            if trainer.source.returned_changed:
+                write_returned(control, cfg, dict(trainer.source.returned))
+                trainer.source.returned_changed = False
+            # Conventional mode: only between rounds, where no generated round is half-trained.
+            if due(trainer.step) and trainer.step % round_steps == 0:
+                trainer.save_checkpoint(tokenizer)
+                due.done(trainer.step)
             if evals is not None:
                 evals.made(trainer.step, record["time_s"])
                 evals.drain()
@@ -379,13 +493,15 @@ def run_trainer(cfg: Config) -> None:
                             lag=f"{record.get('lag_mean', float('nan')):.2f}")
         if is_main:
             # Before the stop record: the actors, and after them the launcher, leave only once
-            # the final weights are on disk, so a slow save is never cut short.
+            # the final weights are on disk, so a slow save is never cut short. The last
+            # checkpoint lets `--resume` extend a finished run.
             _save_final(cfg, model)
+            if trainer.step % round_steps == 0 and due.last_step != trainer.step:
+                trainer.save_checkpoint(tokenizer)
             # The evaluator takes the final weights from the channel once the stop record
             # says they are there; the plot waits for its result.
             final_published = evals is not None and trainer.publish_final()
-            control.write({"type": "stop", "step": trainer.step,
-                           "final_published": final_published})
+            write_stop(control, cfg, trainer.step, final_published=final_published)
             stop_written = True
             if final_published:
                 evals.wait_final(cfg.eval.final_timeout_s)
@@ -399,7 +515,7 @@ def run_trainer(cfg: Config) -> None:
         bar.close()
         if is_main:
             if not stop_written:
-                control.write({"type": "stop", "step": trainer.step})
+                write_stop(control, cfg, trainer.step)
             control.close()
             if evals is not None:
                 evals.reader.close()

@@ -63,6 +63,8 @@ class Group:
     samples: list[Sample]
     actor_id: int = 0
     actor_stats: dict[str, float] = field(default_factory=dict)
+    attempt: int = 0  # the run's attempt whose actor made it (see Config.attempt)
+    seq: int = 0  # groups its actor had published, this one included: the admission count
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,4 +78,6 @@ class Group:
             samples=samples,
             actor_id=d.get("actor_id", 0),
             actor_stats=d.get("actor_stats", {}),
+            attempt=d.get("attempt", 0),
+            seq=d.get("seq", 0),
         )

@@ -11,9 +11,11 @@ from pipelinerl.config import MetricsConfig
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, cfg: MetricsConfig, run_name: str, config: dict[str, Any]):
+    def __init__(self, run_dir: Path, cfg: MetricsConfig, run_name: str, config: dict[str, Any],
+                 resume_step: int | None = None, attempt: int = 0):
+        """`resume_step`: a resumed run continues the file after that step (open_run_jsonl)."""
         self.path = run_dir / "metrics.jsonl"
-        self._file = open_new_jsonl(self.path)
+        self._file = open_run_jsonl(self.path, resume_step, attempt)
         self._tb = None
         self._wandb = None
         if cfg.tensorboard:
@@ -23,7 +25,9 @@ class MetricsLogger:
                 raise RuntimeError(
                     "metrics.tensorboard=true needs the tensorboard package: pip install tensorboard"
                 ) from exc
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # A resumed run's events after its checkpoint are purged, as in metrics.jsonl.
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
         if cfg.wandb:
             try:
                 import wandb
@@ -66,6 +70,26 @@ def open_new_jsonl(path: Path) -> IO[str]:
             f"{path} already exists: another launch wrote it. Choose another `name=` or "
             "`output_dir=`, or remove the run directory (`pipelinerl train --overwrite` does)"
         ) from None
+
+
+def open_run_jsonl(path: Path, resume_step: int | None, attempt: int) -> IO[str]:
+    """A new file for a new run; for a resumed one, the file cut back to the rows of steps up to
+    `resume_step` (the checkpoint's), then appended to. The rows a crashed attempt wrote after
+    its checkpoint describe weights that are gone: they move to `<name>.discarded.jsonl`,
+    marked with the attempt that discarded them, so the file has no repeated or skipped step."""
+    if resume_step is None:
+        return open_new_jsonl(path)
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
+    gone = [line for line in lines if line.strip() and json.loads(line)["step"] > resume_step]
+    if gone:
+        with path.with_name(path.stem + ".discarded.jsonl").open("a") as f:
+            f.writelines(json.dumps({**json.loads(line), "discarded_by_attempt": attempt}) + "\n"
+                         for line in gone)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)  # atomic: a crash here leaves the old file or the cut one
+    return path.open("a", buffering=1)
 
 
 def _clean(value: Any) -> Any:

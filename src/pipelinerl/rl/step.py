@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import fields, replace
 from typing import Any, Iterator
 
@@ -23,6 +24,8 @@ from pipelinerl.rl.losses import (
 )
 from pipelinerl.rl.packing import PackedBatch, TokenScores, pack, pad, score_tokens
 from pipelinerl.types import Group, Sample
+
+log = logging.getLogger(__name__)
 
 # (temperature, top_k, top_p) the trainer scores tokens under.
 Scoring = tuple[float, int, float]
@@ -93,13 +96,22 @@ def rl_step(
                   clip_active, entropy=scores.entropy)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     lr_scale = _sequence_ess(step_log_weights) ** 0.5 if loss_cfg.ess_lr_scale else 1.0
-    with _scaled_lr(optimizer, lr_scale):
-        optimizer.step()
+    # A non-finite gradient (the norm is over the synced gradients: every rank agrees) would
+    # write NaN into the weights and Adam's moments for good: the step is skipped, counted.
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        with _scaled_lr(optimizer, lr_scale):
+            optimizer.step()
+    else:
+        log.warning("non-finite gradient norm (loss %s) at trainer version %d: optimizer step "
+                    "skipped, the weights are unchanged", totals["loss"], trainer_version)
+        optimizer.zero_grad(set_to_none=True)
     if world > 1:
         stats, totals = _reduce(stats, totals, device)
     return {
         "loss": totals["loss"],
         "grad_norm": grad_norm.item(),
+        "skipped_nonfinite": int(not finite),
         "input_tokens": int(totals["input_tokens"]),
         "lr": optimizer.param_groups[0]["lr"],
         **stats.finalize(),

@@ -65,6 +65,27 @@ class LocalStreamWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._append(_encode(record))
 
+    def last_record(self) -> dict[str, Any] | None:
+        """The newest complete record in this writer's file (an earlier process's too): how a
+        restarted writer learns where its predecessor stopped. A torn tail is passed over."""
+        fd, end = self._file.fileno(), os.fstat(self._file.fileno()).st_size
+        tail = b""
+        while end > 0:
+            start = max(0, end - _CHUNK)
+            tail = os.pread(fd, end - start, start) + tail
+            end = start
+            lines = tail.split(b"\n")
+            # lines[0] may be cut at the chunk's start unless the file starts there.
+            for line in reversed(lines if end == 0 else lines[1:]):
+                if not line.strip():
+                    continue
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:  # a torn line: the record before it counts
+                    continue
+            tail = lines[0]
+        return None
+
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
         data = b"".join(_encode(r) for r in records)
         if data:

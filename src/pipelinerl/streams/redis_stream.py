@@ -115,6 +115,21 @@ class RedisStreamWriter:
             if len(pipe):
                 pipe.execute()
 
+    def last_record(self, page: int = 256) -> dict[str, Any] | None:
+        """The newest record this writer id wrote (an earlier process's too): how a restarted
+        writer learns where its predecessor stopped. Scans back from the stream's end."""
+        end = "+"
+        with _naming_url(self.url):
+            while entries := self._client.xrevrange(self.key, max=end, min="-", count=page):
+                for entry_id, fields in entries:
+                    if fields[b"w"] == self._writer_id:
+                        return json.loads(fields[b"d"])
+                ms, seq = _parse_id(entries[-1][0].decode())
+                if ms == 0 and seq == 0:
+                    return None
+                end = f"({ms}-{seq}"  # exclusive: before the oldest entry of this page
+        return None
+
     def close(self) -> None:
         self._client.close()
 

@@ -1,0 +1,178 @@
+"""`pipelinerl audit RUN_DIR`: did every group the actors published reach the trainer once?
+
+Reads the run's rollout stream (every attempt's records), its newest checkpoint and
+trained.jsonl (cut back at each resume, docs/reliability.md), and counts per actor and in total:
+- published: groups in the stream;
+- trained: groups in trained.jsonl's steps;
+- dropped: groups the trainer dropped, by reason (stale, negative_lag, after_checkpoint,
+  malformed);
+- unread: published after the point the trainer had read to at its newest checkpoint, or read
+  and waiting in it: the actors publish ahead of the trainer, so a finished run ends with some;
+- lost: published before that point, and neither trained, dropped nor waiting;
+- duplicated: trained or dropped more than once.
+The last line reads `published N trained N dropped N lost N duplicated N`; the exit code is
+1 when lost or duplicated is above 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelinerl.checkpoint import latest_checkpoint, read_state
+from pipelinerl.config import Config, load_config
+
+
+@dataclass
+class Published:
+    group_id: str
+    actor_id: int
+    read_by_checkpoint: bool  # at or before the checkpoint's reader offsets
+
+
+@dataclass
+class Tally:
+    published: int = 0
+    trained: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    unread: int = 0
+    lost: int = 0
+    duplicated: int = 0
+
+    def row(self, name: str) -> list[str]:
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "-"
+        return [name, str(self.published), str(self.trained), str(sum(self.dropped.values())),
+                dropped, str(self.unread), str(self.lost), str(self.duplicated)]
+
+
+def local_records(root: Path, offsets: dict[str, int]) -> Iterator[Published]:
+    for path in sorted(root.glob("*.jsonl")):
+        writer, end, limit = path.stem, 0, offsets.get(path.stem, 0)
+        with path.open("rb") as f:
+            for line in f:
+                end += len(line)
+                if not line.endswith(b"\n"):
+                    break  # a torn tail: never a record
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                yield Published(record.get("group_id", f"{writer}@{end}"),
+                                record.get("actor_id", -1), end <= limit)
+
+
+def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterator[Published]:
+    """The stream on the run's server; when that was the launcher's own (gone with the run),
+    on a server started here over its append-only file in RUN_DIR/redis."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from pipelinerl.streams.redis_server import start_redis_server
+    from pipelinerl.streams.redis_stream import (
+        StreamConnectionError,
+        _connect,
+        _parse_id,
+        stream_key,
+    )
+
+    server = None
+    try:
+        client = _connect(cfg.stream.redis_url, Retry(NoBackoff(), 0))
+    except StreamConnectionError:
+        if not (run_dir / "redis").is_dir():
+            raise
+        server = start_redis_server(dir=run_dir / "redis")
+        client = _connect(server.url, Retry(NoBackoff(), 0))
+    limit = _parse_id(offsets.get("rollouts", "0-0"))
+    last = "-"
+    try:
+        while entries := client.xrange(stream_key(f"{cfg.name}:{cfg.run_id}", "rollouts"),
+                                       min=last, max="+", count=1000):
+            for entry_id, fields in entries:
+                record = json.loads(fields[b"d"])
+                yield Published(record.get("group_id", entry_id.decode()),
+                                record.get("actor_id", -1), _parse_id(entry_id.decode()) <= limit)
+            ms, seq = _parse_id(entries[-1][0].decode())
+            last = f"({ms}-{seq}"
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+
+def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
+    """Per actor (and "total"), and notes on what the audit could not see."""
+    cfg = load_config(run_dir / "config.yaml")
+    notes: list[str] = []
+    state = read_state(latest_checkpoint(run_dir))
+    source = (state or {}).get("source") or {"offsets": {}, "buffered": []}
+    if state is None:
+        notes.append("no checkpoint: the trainer's read position is unknown, so every group "
+                     "not trained or dropped counts as unread")
+    waiting = {g["group_id"] for g in source["buffered"]}
+    if cfg.stream.backend == "local":
+        published = list(local_records(run_dir / "streams" / cfg.run_id / "rollouts",
+                                       source["offsets"]))
+    else:
+        published = list(redis_records(cfg, source["offsets"], run_dir))
+    trained: Counter = Counter()
+    dropped: dict[str, str] = {}
+    handled: Counter = Counter()
+    steps = 0
+    for line in (run_dir / "trained.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps = row["step"] if state is None else min(row["step"], state["step"])
+        if state is not None and row["step"] > state["step"]:
+            continue  # a crashed attempt's step after its checkpoint (not resumed)
+        trained.update(row["trained"])
+        handled.update(row["trained"])
+        for reason, ids in row["dropped"].items():
+            for gid in ids:
+                dropped[gid] = reason
+                handled[gid] += 1
+    tallies: dict[str, Tally] = defaultdict(Tally)
+    for p in published:
+        for t in (tallies[f"actor_{p.actor_id}"], tallies["total"]):
+            t.published += 1
+            if p.group_id in trained:
+                t.trained += 1
+            elif p.group_id in dropped:
+                t.dropped[dropped[p.group_id]] += 1
+            elif p.group_id in waiting or not p.read_by_checkpoint or state is None:
+                t.unread += 1
+            else:
+                t.lost += 1
+            if handled[p.group_id] > 1:
+                t.duplicated += 1
+    ids = {p.group_id for p in published}
+    if any(gid not in ids for gid in handled):
+        notes.append(f"{sum(gid not in ids for gid in handled)} trained or dropped group ids are "
+                     "not in the stream (trimmed, or another run's)")
+    notes.append(f"{steps} optimizer steps in trained.jsonl")
+    return dict(sorted(tallies.items(), key=lambda kv: (kv[0] == "total", kv[0]))), notes
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def main(run_dir: str) -> int:
+    path = Path(run_dir)
+    if not (path / "config.yaml").exists() or not (path / "trained.jsonl").exists():
+        print(f"pipelinerl audit: {path} is not a run directory (no config.yaml or "
+              "trained.jsonl)", file=sys.stderr)
+        return 2
+    tallies, notes = audit(path)
+    print(markdown_table(["", "published", "trained", "dropped", "dropped by reason", "unread",
+                          "lost", "duplicated"], [t.row(name) for name, t in tallies.items()]))
+    for note in notes:
+        print(f"- {note}")
+    total = tallies.get("total", Tally())
+    print(f"published {total.published} trained {total.trained} dropped "
+          f"{sum(total.dropped.values())} lost {total.lost} duplicated {total.duplicated}")
+    return int(total.lost > 0 or total.duplicated > 0)

@@ -1,0 +1,155 @@
+"""Trainer checkpoints: what a resumed run needs to continue as if it had never stopped.
+
+    <run_dir>/checkpoints/step_00000123/
+      model/       the weights, Hugging Face layout (safetensors, config, tokenizer)
+      trainer.pt   optimizer and lr-schedule state, RNG states
+      state.json   step, counters, stream-reader offsets, groups read but not yet trained,
+                   drop counters, places given back to each actor, the clock
+
+A checkpoint is written into `.step_<N>.tmp`, every file fsynced, then renamed: a directory
+named `step_*` is complete, and a crash mid-write leaves only a `.tmp` that is never loaded
+(and is removed by the next save). The newest `keep` are kept.
+
+The three parts are separate so that a sharded trainer (FSDP2) writes the same content with
+`torch.distributed.checkpoint`: `model/` gathered bucket by bucket (or as DCP shards),
+trainer.pt's optimizer state from DCP's `get_optimizer_state_dict`, state.json from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DIR = "checkpoints"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / DIR
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a `.tmp` directory is never one)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "state.json").exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer: Any,
+                    optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
+                    keep: int) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep`; returns its directory."""
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step_*.tmp"):  # a crash mid-write left it: never complete
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".{final.name}.tmp"
+    try:
+        tmp.mkdir()
+        getattr(model, "module", model).save_pretrained(str(tmp / "model"))
+        tokenizer.save_pretrained(str(tmp / "model"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng_states()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+        _fsync_tree(tmp)
+    except BaseException:  # KeyboardInterrupt too: a stopped trainer leaves no partial copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # the same step again (a resumed run's last one): replace it whole
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync(root)
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any) -> dict[str, Any]:
+    """Restore weights, optimizer, lr schedule and RNG from `path`; returns its state.json."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((path / "model").glob("*.safetensors")):
+        weights.update(load_file(shard))
+    target = getattr(model, "module", model)
+    missing, unexpected = target.load_state_dict(weights, strict=False)
+    # Tied weights are stored once (lm_head = embed_tokens): only those may be missing.
+    tied = set(getattr(target, "_tied_weights_keys", None) or [])
+    if unexpected or any(k not in tied for k in missing):
+        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    set_rng_states(trainer["rng"])
+    return json.loads((path / "state.json").read_text())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file, then every directory, so the rename publishes data already on disk."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+class CheckpointDue:
+    """When the next checkpoint is due (trainer.checkpoint_every_steps / _every_s)."""
+
+    def __init__(self, every_steps: int, every_s: float, step: int = 0) -> None:
+        self.every_steps, self.every_s = every_steps, every_s
+        self.last_step, self.last_time = step, time.monotonic()
+
+    def __call__(self, step: int) -> bool:
+        steps = self.every_steps and step - self.last_step >= self.every_steps
+        seconds = self.every_s and time.monotonic() - self.last_time >= self.every_s
+        return step > self.last_step and bool(steps or seconds)
+
+    def done(self, step: int) -> None:
+        self.last_step, self.last_time = step, time.monotonic()
+
+
+def read_state(path: Path | None) -> dict[str, Any] | None:
+    return None if path is None else json.loads((path / "state.json").read_text())

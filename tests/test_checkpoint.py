@@ -1,0 +1,202 @@
+"""Checkpoints and resume: exact continuation, atomicity, the metrics cut, admission counts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelinerl.checkpoint import (
+    CheckpointDue,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from pipelinerl.config import load_config
+from pipelinerl.metrics.logger import open_run_jsonl
+from pipelinerl.streams import open_reader, open_writer
+from pipelinerl.trainer import BatchSource, Trainer, valid_upto
+from pipelinerl.types import Group, Sample
+
+from tiny_models import VOCAB, tiny_hf_model
+
+
+class _NoTokenizer:
+    """Stands in for a tokenizer: a checkpoint saves one beside the weights."""
+
+    def save_pretrained(self, path: str) -> None:
+        Path(path, "tokenizer.json").write_text("{}")
+
+
+def _groups(seed: int, n_groups: int = 2, group_size: int = 4, version: int = 0) -> list[Group]:
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        samples = []
+        for i in range(group_size):
+            n = rng.randint(2, 6)
+            samples.append(Sample(prompt_ids=[rng.randrange(VOCAB) for _ in range(3)],
+                                  token_ids=[rng.randrange(VOCAB) for _ in range(n)],
+                                  logprobs=[-rng.uniform(0.5, 3.0) for _ in range(n)],
+                                  versions=[version] * n, reward=float(i % 2), success=bool(i % 2),
+                                  finish_reason="stop", group_id=f"s{seed}-g{g}", actor_id=g % 2))
+        groups.append(Group(f"s{seed}-g{g}", "p", samples, actor_id=g % 2))
+    return groups
+
+
+def _trainer(tmp_path: Path, *overrides: str) -> Trainer:
+    cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
+                                 "trainer.batch_size=8", "actor.group_size=4",
+                                 "trainer.lr_schedule=cosine", "trainer.warmup_steps=2",
+                                 "trainer.max_steps=10", *overrides])
+    return Trainer(cfg, tiny_hf_model("qwen2", seed=1).train(), source=None, sender=None)
+
+
+def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_the_step_after_a_resume_equals_the_uninterrupted_step(tmp_path: Path) -> None:
+    first = _trainer(tmp_path)
+    for seed in range(3):
+        first.train_step(_groups(seed))
+    path = first.save_checkpoint(_NoTokenizer())
+    first.train_step(_groups(99))  # the uninterrupted process's next step
+    expected = _weights(first)
+
+    resumed = _trainer(tmp_path, "attempt=1")
+    resumed.resume(path)
+    assert resumed.step == 3 and resumed.samples_trained == 24
+    assert resumed.scheduler.last_epoch == first.scheduler.last_epoch - 1
+    resumed.train_step(_groups(99))
+    for name, value in _weights(resumed).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+    # Adam's moments came back too: a fresh optimizer's step would differ.
+    fresh = _trainer(tmp_path, "attempt=1")
+    fresh.model.load_state_dict(_weights_at(path))
+    fresh.train_step(_groups(99))
+    assert any(not torch.allclose(v, expected[k], atol=1e-6) for k, v in _weights(fresh).items())
+
+
+def _weights_at(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = load_file(path / "model" / "model.safetensors")
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # tied
+    return weights
+
+
+def test_half_written_and_incomplete_checkpoints_are_never_loaded(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, "trainer.checkpoint_keep=2")
+    run_dir = trainer.cfg.run_dir
+    for seed in range(3):
+        trainer.train_step(_groups(seed))
+        trainer.save_checkpoint(_NoTokenizer())
+    # Only the newest 2 are kept.
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_00000002", "step_00000003"]
+    # A save killed mid-write leaves a .tmp directory; a directory without state.json is not
+    # one the trainer wrote completely either.
+    (run_dir / "checkpoints" / ".step_00000004.tmp" / "model").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000005" / "model").mkdir(parents=True)
+    assert latest_checkpoint(run_dir).name == "step_00000003"
+    assert read_state(latest_checkpoint(run_dir))["step"] == 3
+    trainer.train_step(_groups(4))
+    trainer.save_checkpoint(_NoTokenizer())  # and the next save removes the leftover
+    assert not (run_dir / "checkpoints" / ".step_00000004.tmp").exists()
+
+
+def test_a_save_interrupted_mid_write_leaves_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer(tmp_path)
+    trainer.train_step(_groups(0))
+    trainer.save_checkpoint(_NoTokenizer())
+    trainer.train_step(_groups(1))
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint(_NoTokenizer())
+    assert [p.name for p in (trainer.cfg.run_dir / "checkpoints").iterdir()] == ["step_00000001"]
+
+
+def test_checkpoint_due_by_steps_or_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("pipelinerl.checkpoint.time.monotonic", lambda: clock[0])
+    due = CheckpointDue(every_steps=5, every_s=60.0, step=10)
+    assert not due(10) and not due(14) and due(15)
+    due.done(15)
+    clock[0] += 61
+    assert due(16) and not due(15)
+    assert not CheckpointDue(0, 0.0)(1000)  # both off: only the final checkpoint
+
+
+def test_resume_cuts_the_metrics_after_the_checkpoint_and_keeps_them_aside(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "time_s": s} for s in range(1, 8)] + [{"step": 3, "eval/version": 3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open_run_jsonl(path, resume_step=5, attempt=1) as f:
+        f.write(json.dumps({"step": 6, "time_s": 6.5}) + "\n")
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 3, 6]
+    aside = [json.loads(line) for line in (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in aside] == [6, 7] and {r["discarded_by_attempt"] for r in aside} == {1}
+    with pytest.raises(FileExistsError):
+        open_run_jsonl(path, resume_step=None, attempt=0)  # a new run never appends
+
+
+def test_valid_versions_per_attempt_after_resumes() -> None:
+    assert valid_upto([]) == {}
+    assert valid_upto([(1, 40)]) == {0: 40}
+    # Attempt 2 resumed from an older checkpoint than attempt 1 did.
+    assert valid_upto([(1, 40), (2, 30)]) == {0: 30, 1: 30}
+
+
+def _source(tmp_path: Path, offsets: dict | None = None, max_lag: int = 2) -> BatchSource:
+    reader = open_reader("local", stream="rollouts", root=tmp_path, offsets=offsets)
+    return BatchSource(reader, group_size=4, max_lag=max_lag, timeout_s=5.0)
+
+
+def test_drops_give_places_back_and_the_source_survives_a_checkpoint(tmp_path: Path) -> None:
+    with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
+        for g in _groups(0, n_groups=2, version=0) + _groups(1, n_groups=4, version=5):
+            w.write(g.to_dict())
+        w.write({"group_id": "bad", "actor_id": 1})  # malformed, but whose place is known
+    source = _source(tmp_path)
+    # At step 5 the version-0 groups are 5 steps stale (max_lag 2): dropped, places back; the
+    # malformed record is dropped as it is read.
+    batch = source.take(2, step=5)
+    assert [g.group_id for g in batch] == ["s1-g0", "s1-g1"]
+    assert source.dropped == {"stale": 2, "malformed": 1}
+    assert source.returned == {0: 1, 1: 2}
+    snapshot = json.loads(json.dumps(source.snapshot()))  # as state.json holds it
+    assert [g["group_id"] for g in snapshot["buffered"]] == ["s1-g2", "s1-g3"]
+
+    # Reopened at the checkpoint's offsets: what was read and not trained comes back, once.
+    again = _source(tmp_path, snapshot["offsets"])
+    again.restore(snapshot)
+    assert [g.group_id for g in again.take(2, step=5)] == ["s1-g2", "s1-g3"]
+    again.timeout_s = 0.3
+    with pytest.raises(TimeoutError):
+        again.take(1, step=5)
+    assert again.dropped == {"stale": 2, "malformed": 1} and again.returned == {0: 1, 1: 2}
+
+
+def test_groups_made_with_weights_lost_in_a_crash_are_dropped_whatever_the_step(tmp_path: Path) -> None:
+    lost = _groups(0, n_groups=1, version=42)[0]  # attempt 0 published 42 after checkpoint 40
+    kept = _groups(1, n_groups=1, version=40)[0]
+    new = _groups(2, n_groups=1, version=43)[0]
+    new.attempt = 1
+    with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
+        for g in (lost, kept, new):
+            w.write(g.to_dict())
+    source = _source(tmp_path, max_lag=8)
+    source.valid_upto = valid_upto([(1, 40)])
+    # At step 44 version 42 is not even stale: only its attempt tells it apart.
+    assert [g.group_id for g in source.take(2, step=44)] == ["s1-g0", "s2-g0"]
+    assert source.dropped == {"after_checkpoint": 1} and source.returned == {0: 1}
