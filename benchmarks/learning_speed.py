@@ -118,7 +118,7 @@ def run(label: str, seed: int, out: Path, overrides: list[str]) -> Run:
         cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(CONFIG), *MODES[label], *common]
         env = None
     print(f"[learning_speed] {label} seed {seed}: {shlex.join(cmd[1:])}", flush=True)
-    record = {"label": label, "seed": seed, "started": now()}
+    record = {"label": label, "seed": seed, "started": now(), "commit": commit()}
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
     record["finished"] = now()
     (out / name / RUN_RECORD).write_text(json.dumps(record, indent=1))
@@ -132,6 +132,15 @@ def wait_while_paused(out: Path) -> None:
         print(f"[learning_speed] paused: waiting for {out / PAUSE} to go", flush=True)
         while (out / PAUSE).exists():
             time.sleep(5)
+
+
+def commit() -> str:
+    """The code a run used: the checkout's commit, marked when it has uncommitted changes."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return f"{head}+changes" if dirty else head
 
 
 def now() -> str:
@@ -420,8 +429,10 @@ def run_span(results: dict[str, list[Run]]) -> str:
     if not records:
         return "run dates not recorded"
     days = sorted({r["started"][:10] for r in records})
+    commits = sorted({r.get("commit", "unknown") for r in records})
     return (f"{len(records)} runs made {min(r['started'] for r in records)} to "
-            f"{max(r['finished'] for r in records)} ({len(days)} day(s))")
+            f"{max(r['finished'] for r in records)} ({len(days)} day(s)), code at "
+            f"{', '.join(commits)}")
 
 
 def report(results: dict[str, list[Run]], plan: dict[str, Any],

@@ -68,9 +68,15 @@ def test_overrides_may_come_before_and_after_the_overwrite_flag(monkeypatch) -> 
 
     seen: dict = {}
     monkeypatch.setattr(pipelinerl.launch, "launch",
-                        lambda cfg, overwrite=False: seen.update(cfg=cfg, overwrite=overwrite) or 0)
+                        lambda cfg, **kw: seen.update(cfg=cfg, **kw) or 0)
     example = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml")
     assert main(["train", example, "trainer.lr=1e-5", "--overwrite", "name=x"]) == 0
     assert seen["overwrite"] and seen["cfg"].name == "x" and seen["cfg"].trainer.lr == 1e-5
+    # The command that continues the run, shown after a failure, keeps the overrides.
+    assert seen["resume_command"] == f"pipelinerl train {example} trainer.lr=1e-5 name=x --resume"
+    assert main(["train", example, "--resume", "--auto-resume", "name=x"]) == 0
+    assert seen["resume"] and seen["cfg"].trainer.max_restarts == 3
+    with pytest.raises(SystemExit):  # one or the other
+        main(["train", example, "--resume", "--overwrite"])
     with pytest.raises(SystemExit):  # argparse's usage error: an unknown option stays one
         main(["train", example, "--overwrite", "--bogus", "name=x"])

@@ -84,8 +84,9 @@ def test_a_killed_actor_is_restarted_and_nothing_is_lost(tmp_path: Path) -> None
 
 
 def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_path: Path) -> None:
+    # Segments of 16 KB (a few groups each), so checkpoints delete the stream's old ones.
     args = _args(tmp_path, "trainer-kill", "trainer.max_steps=14",
-                 "trainer.checkpoint_every_steps=4")
+                 "trainer.checkpoint_every_steps=4", "stream.segment_mb=0.016")
     run_dir = tmp_path / "runs" / "trainer-kill"
     proc = _train(args)
     _wait_for_step(proc, run_dir, 6)
@@ -108,6 +109,9 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_
     assert (lost, duplicated, code) == (0, 0, 0), text
     assert trained == 14 * 4
     assert (run_dir / "logs" / "attempt0").is_dir()
+    assert "no longer in the stream (deleted after checkpoints" in text
+    segments = [p.name for p in (run_dir / "streams").rglob("rollouts/*.jsonl")]
+    assert "actor_0.jsonl" not in segments  # the first segment went after a checkpoint
 
 
 def test_resume_refuses_a_changed_batch_shape_naming_the_key(tmp_path: Path) -> None:
@@ -123,3 +127,43 @@ def test_resume_refuses_a_changed_batch_shape_naming_the_key(tmp_path: Path) -> 
     _, err = more.communicate(timeout=300)
     assert more.returncode == 0, err
     assert _steps(tmp_path / "runs" / "refuse") == [1, 2, 3, 4]
+
+
+def test_a_redis_server_restart_mid_run_is_survived(tmp_path: Path) -> None:
+    args = _args(tmp_path, "redis-kill", "trainer.max_steps=10", "stream.backend=redis")
+    run_dir = tmp_path / "runs" / "redis-kill"
+    proc = _train(args)
+    _wait_for_step(proc, run_dir, 3)
+    from pipelinerl.config import load_config
+
+    port = load_config(run_dir / "config.yaml").stream.redis_url.rsplit(":", 1)[1].split("/")[0]
+    os.kill(_pid_of(f"redis-server 127.0.0.1:{port}"), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "redis-server exited (code -9); restarting it" in err
+    assert _steps(run_dir) == list(range(1, 11))
+    code, (published, trained, dropped, lost, duplicated), text = _audit(run_dir)
+    assert (lost, duplicated, code) == (0, 0, 0), text
+    assert trained == 10 * 4
+
+
+def test_sigint_at_random_moments_always_stops_the_run_cleanly(tmp_path: Path) -> None:
+    """Wherever Ctrl-C lands (imports, warm-start, spawning, supervising, a role's first step,
+    the final save), the launcher exits with 130 within the stop grace and leaves no process."""
+    import random
+
+    rng = random.Random(20261123)
+    for trial in range(8):
+        name = f"sigint-{trial}"
+        proc = _train(_args(tmp_path, name, "trainer.max_steps=100000"))
+        time.sleep(rng.uniform(0.0, 12.0))
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"trial {trial}: the launcher did not exit within 60 s")
+        assert code == 130, f"trial {trial}: exit code {code}: {proc.stderr.read()[-2000:]}"
+        leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "runs" / name)],
+                                  capture_output=True, text=True)
+        assert leftover.stdout.strip() == "", f"trial {trial}: left {leftover.stdout}"

@@ -36,6 +36,7 @@ def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_pat
         "trainer.max_steps=5", "trainer.num_procs=2", "actor.num_actors=2",
         "stream.backend=redis", f"stream.redis_url={redis_server.url}",
         "metrics.progress=false",
+        "stream.keep_all=true",  # the stream is read below: no trimming after checkpoints
     ])
     assert launch(cfg) == 0
 

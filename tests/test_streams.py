@@ -367,3 +367,51 @@ def test_redis_server_start_errors(tmp_path: Path) -> None:
         taken.listen()
         with pytest.raises(RuntimeError, match="Address already in use"):
             start_redis_server(tmp_path, port=taken.getsockname()[1], appendonly=False)
+
+
+def test_local_segments_roll_are_read_in_order_resume_and_trim(tmp_path: Path) -> None:
+    record = {"pad": "x" * 40}
+    with LocalStreamWriter(tmp_path, "s", "a", segment_bytes=200) as w:
+        for i in range(12):
+            w.write({"i": i, **record})
+    names = sorted(p.name for p in (tmp_path / "s").glob("*.jsonl"))
+    assert names[0] == "a.jsonl" and "a@1.jsonl" in names and len(names) >= 3
+    per_segment = (tmp_path / "s" / "a.jsonl").read_bytes().count(b"\n")
+    r = LocalStreamReader(tmp_path, "s")
+    assert [x["i"] for x in r.read(5, timeout_s=0.5)] == [0, 1, 2, 3, 4]
+    saved = json.loads(json.dumps(r.offsets()))  # as a checkpoint stores them
+    assert isinstance(saved["a"], list)  # [segment, offset] past segment 0
+    # Whole segments before the saved position go; the one it is in stays.
+    trimmed = r.trim(saved)
+    assert trimmed == saved["a"][0] * per_segment
+    assert not (tmp_path / "s" / "a.jsonl").exists()
+    r.close()
+    with LocalStreamWriter(tmp_path, "s", "a", segment_bytes=200) as w:  # a restarted writer
+        assert w.last_record()["i"] == 11  # its predecessor's newest, across segments
+        w.write({"i": 12, **record})
+    resumed = LocalStreamReader(tmp_path, "s", offsets=saved)
+    assert [x["i"] for x in drain(resumed, 8)] == list(range(5, 13))
+    # A reader without offsets starts at the oldest segment left.
+    assert drain(LocalStreamReader(tmp_path, "s"), 13 - trimmed)[0]["i"] == trimmed
+
+
+def test_local_last_record_passes_over_a_torn_tail(tmp_path: Path) -> None:
+    with LocalStreamWriter(tmp_path, "s", "a") as w:
+        assert w.last_record() is None
+        w.write({"i": 0})
+        w.write({"i": 1})
+    with (tmp_path / "s" / "a.jsonl").open("ab") as f:
+        f.write(b'{"i": 2, "tok')
+    with LocalStreamWriter(tmp_path, "s", "a") as w:
+        assert w.last_record() == {"i": 1}
+
+
+def test_redis_last_record_is_the_writers_own(redis_server: RedisServer) -> None:
+    loc = {"url": redis_server.url, "run": f"last-{time.time_ns()}"}
+    with open_writer("redis", stream="s", writer_id="a", **loc) as a, \
+            open_writer("redis", stream="s", writer_id="b", **loc) as b:
+        assert a.last_record() is None
+        a.write({"i": 0})
+        for i in range(300):  # more than one page back to a's record
+            b.write({"j": i})
+        assert a.last_record() == {"i": 0} and b.last_record() == {"j": 299}

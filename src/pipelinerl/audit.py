@@ -22,9 +22,11 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipelinerl.checkpoint import latest_checkpoint, read_state
 from pipelinerl.config import Config, load_config
+from pipelinerl.streams.local import segment_name
 
 
 @dataclass
@@ -49,10 +51,16 @@ class Tally:
                 dropped, str(self.unread), str(self.lost), str(self.duplicated)]
 
 
-def local_records(root: Path, offsets: dict[str, int]) -> Iterator[Published]:
-    for path in sorted(root.glob("*.jsonl")):
-        writer, end, limit = path.stem, 0, offsets.get(path.stem, 0)
-        with path.open("rb") as f:
+def local_records(root: Path, offsets: dict[str, Any]) -> Iterator[Published]:
+    """Every record of the writers' segment files, each marked read or not by `offsets`."""
+    from pipelinerl.streams.local import parse_segment
+
+    segments = sorted(p for p in (parse_segment(f.name) for f in root.glob("*.jsonl")) if p)
+    for writer, segment in segments:
+        saved = offsets.get(writer, 0)
+        limit = (0, saved) if isinstance(saved, int) else tuple(saved)
+        end = 0
+        with (root / segment_name(writer, segment)).open("rb") as f:
             for line in f:
                 end += len(line)
                 if not line.endswith(b"\n"):
@@ -61,8 +69,8 @@ def local_records(root: Path, offsets: dict[str, int]) -> Iterator[Published]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                yield Published(record.get("group_id", f"{writer}@{end}"),
-                                record.get("actor_id", -1), end <= limit)
+                yield Published(record.get("group_id", f"{writer}@{segment}:{end}"),
+                                record.get("actor_id", -1), (segment, end) <= limit)
 
 
 def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterator[Published]:
@@ -134,8 +142,13 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
             for gid in ids:
                 dropped[gid] = reason
                 handled[gid] += 1
+    # Records deleted after checkpoints (stream.keep_all=false) were read by then and not
+    # waiting in the checkpoint, so trained or dropped: they count as published through the
+    # ids trained.jsonl holds.
+    present = {p.group_id for p in published}
+    trimmed = [Published(gid, _actor_of(gid), True) for gid in handled if gid not in present]
     tallies: dict[str, Tally] = defaultdict(Tally)
-    for p in published:
+    for p in published + trimmed:
         for t in (tallies[f"actor_{p.actor_id}"], tallies["total"]):
             t.published += 1
             if p.group_id in trained:
@@ -148,12 +161,19 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
                 t.lost += 1
             if handled[p.group_id] > 1:
                 t.duplicated += 1
-    ids = {p.group_id for p in published}
-    if any(gid not in ids for gid in handled):
-        notes.append(f"{sum(gid not in ids for gid in handled)} trained or dropped group ids are "
-                     "not in the stream (trimmed, or another run's)")
+    recorded = source.get("trimmed", 0)
+    if trimmed or recorded:
+        notes.append(f"{len(trimmed)} groups trained or dropped are no longer in the stream "
+                     f"(deleted after checkpoints; the newest checkpoint counts {recorded} "
+                     "records deleted before it)")
     notes.append(f"{steps} optimizer steps in trained.jsonl")
     return dict(sorted(tallies.items(), key=lambda kv: (kv[0] == "total", kv[0]))), notes
+
+
+def _actor_of(group_id: str) -> int:
+    """Group ids are `a<actor>-...` (pipelinerl.actor)."""
+    head = group_id.split("-", 1)[0]
+    return int(head[1:]) if head[1:].isdigit() else -1
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -68,6 +68,16 @@ def _run_role(role: str, cfg: Config, fn, *args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before the launcher took over its signals (while importing, say): the same
+        # quiet exit as after, never a traceback.
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _parser()
     # Overrides may follow an option (`train CONFIG --overwrite key=value`): argparse leaves
     # those unparsed, and they join the others.

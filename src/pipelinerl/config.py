@@ -181,6 +181,10 @@ class TrainerConfig(_Section):
 class StreamConfig(_Section):
     backend: Literal["local", "redis"] = "local"
     redis_url: str = ""  # empty with backend=redis: the launcher starts redis-server on 127.0.0.1
+    # After each checkpoint the rollouts it no longer needs are deleted (local: whole segment
+    # files of segment_mb; redis: XTRIM), so the run's disk stays flat; keep_all: never.
+    keep_all: bool = False
+    segment_mb: float = Field(default=16.0, gt=0)
 
 
 class SyncConfig(_Section):

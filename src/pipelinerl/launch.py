@@ -347,14 +347,14 @@ def check_model(cfg: Config) -> None:
 
 def _run(cfg: Config, signals: StopSignals, resume_command: str = "") -> tuple[int, str | None]:
     """The run's exit code, and the role whose failure ended it (None if none did)."""
+    from pipelinerl.streams.redis_server import start_redis_server
+
     run_dir = cfg.run_dir
     config_path = str(run_dir / "config.yaml")
     procs: list[RoleProcess] = []
     redis = None
     try:
         if cfg.stream.backend == "redis" and not cfg.stream.redis_url:
-            from pipelinerl.streams.redis_server import start_redis_server
-
             redis = start_redis_server(dir=run_dir / "redis", preexec_fn=_die_with_parent)
             cfg.stream.redis_url = redis.url
             save_config(cfg, run_dir / "config.yaml")
@@ -374,8 +374,18 @@ def _run(cfg: Config, signals: StopSignals, resume_command: str = "") -> tuple[i
         # After the stop record the actors leave while the trainer may still wait for the
         # evaluation of its final weights.
         grace = ACTORS_GONE_GRACE_S + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0)
+        def keep_redis() -> None:
+            # The run's own server died: start it again on its port, over its append-only
+            # file; writers and readers reconnect within their retries.
+            nonlocal redis
+            if redis is not None and redis.proc.poll() is not None:
+                print(f"\nredis-server exited (code {redis.proc.returncode}); restarting it on "
+                      f"port {redis.port}", file=sys.stderr)
+                redis = start_redis_server(dir=run_dir / "redis", port=redis.port,
+                                           preexec_fn=_die_with_parent)
+
         code, failed = (None, None) if signals.stop else _supervise(
-            procs, signals, run_dir, grace, Restarts(restarts, respawn))
+            procs, signals, run_dir, grace, Restarts(restarts, respawn), keep_redis)
         if code and resume_command:
             print(f"\nthe run can continue from its newest checkpoint: {resume_command}",
                   file=sys.stderr)
@@ -431,13 +441,15 @@ class Restarts:
 
 def _supervise(procs: list[RoleProcess], signals: StopSignals, run_dir: Path,
                actors_gone_grace_s: float = ACTORS_GONE_GRACE_S,
-               restarts: Restarts | None = None) -> tuple[int | None, str | None]:
+               restarts: Restarts | None = None,
+               tick: Callable[[], None] = lambda: None) -> tuple[int | None, str | None]:
     """The run's exit code once it ends by itself (None once a stop signal arrives), and the
     role whose failure ended it. procs[0] is the trainer; a dead actor is replaced in `procs`
-    when `restarts` allows."""
+    when `restarts` allows; `tick` runs every poll (keeps the run's redis alive)."""
     trainer = procs[0]
     actors_gone_at: float | None = None
     while not signals.stop:
+        tick()
         failed = next((rp for rp in procs if rp.proc.poll() not in (None, 0)), None)
         if failed is not None:
             again = restarts.try_restart(failed, run_dir, signals) if restarts else None

@@ -32,7 +32,7 @@ def _locations(cfg: Config) -> dict[str, str]:
 
 def open_rollout_writer(cfg: Config, actor_id: int) -> Writer:
     return open_writer(cfg.stream.backend, stream=ROLLOUTS, writer_id=f"actor_{actor_id}",
-                       **_locations(cfg))
+                       segment_bytes=int(cfg.stream.segment_mb * 2**20), **_locations(cfg))
 
 
 def open_rollout_reader(cfg: Config, offsets: dict | None = None) -> Reader:

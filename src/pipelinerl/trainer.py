@@ -51,18 +51,21 @@ class BatchSource:
     dropped_ids: dict[str, list[str]] = field(default_factory=dict)  # by reason, until taken
     returned: Counter = field(default_factory=Counter)  # actor id -> places given back
     returned_changed: bool = False
+    trimmed: int = 0  # records deleted from the stream after checkpoints (counted for audits)
     wait_s: float = 0.0
     actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, Any]:
         """The checkpoint's part: where the reader stands, what it read and has not trained."""
         return {"offsets": self.reader.offsets(), "buffered": [g.to_dict() for g in self.buffer],
-                "dropped": dict(self.dropped), "returned": {str(k): v for k, v in self.returned.items()}}
+                "dropped": dict(self.dropped), "trimmed": self.trimmed,
+                "returned": {str(k): v for k, v in self.returned.items()}}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """After opening the reader at snapshot["offsets"]."""
         self.buffer = [Group.from_dict(d) for d in snapshot["buffered"]]
         self.dropped = Counter(snapshot["dropped"])
+        self.trimmed = snapshot.get("trimmed", 0)
         self.returned = Counter({int(k): v for k, v in snapshot["returned"].items()})
         self.returned_changed = True  # the actors of the new attempt learn it at once
 
@@ -208,11 +211,16 @@ class Trainer:
                 "source": self.source.snapshot() if self.source is not None else None}
 
     def save_checkpoint(self, tokenizer: Any) -> Path:
+        """Write a checkpoint; then, unless stream.keep_all, delete the rollouts before its
+        reader offsets: no resume goes back before the newest checkpoint."""
         from pipelinerl.checkpoint import save_checkpoint
 
+        state = self.checkpoint_state()
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
-                               self.scheduler, self.checkpoint_state(), self.cfg.trainer.checkpoint_keep)
+                               self.scheduler, state, self.cfg.trainer.checkpoint_keep)
         log.info("checkpoint of step %d written to %s", self.step, path)
+        if self.source is not None and not self.cfg.stream.keep_all:
+            self.source.trimmed += self.source.reader.trim(state["source"]["offsets"])
         return path
 
     def resume(self, path: Path | None) -> None:

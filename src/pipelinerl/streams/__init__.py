@@ -56,15 +56,17 @@ def open_writer(
     url: str | None = None,
     run: str | None = None,
     fsync: bool = False,
+    segment_bytes: int = 0,
 ) -> Writer:
     """A writer of `stream`; `writer_id` must be unique among its concurrent writers.
 
     `fsync` (local only) syncs every write to disk; redis durability is the server's own.
+    `segment_bytes` (local only): roll on to a new segment file past this size (0: never).
     """
     if backend == "local":
         if root is None:
             raise _missing(backend, "root (a directory)")
-        return LocalStreamWriter(root, stream, writer_id, fsync=fsync)
+        return LocalStreamWriter(root, stream, writer_id, fsync=fsync, segment_bytes=segment_bytes)
     if backend == "redis":
         if not url or not run:  # "" is how the config spells unset
             raise _missing(backend, "url and run (the key namespace)")

@@ -32,6 +32,7 @@ _SOCKET_TIMEOUT_S = 30.0  # a dead server is reported within this, never a hang
 _MAX_BLOCK_S = 5.0  # XREAD BLOCK is cut into slices well under the socket timeout
 _PIPELINE_BYTES = 4 << 20  # write_many sends this much per round trip, bounding its buffer
 _PIPELINE_RECORDS = 1000
+_RECONNECT_TRIES = 30  # with _reconnecting's backoff: about a minute
 
 
 class StreamConnectionError(ConnectionError):
@@ -63,15 +64,18 @@ def _naming_url(url: str) -> Iterator[None]:
 
 
 def _connect(url: str, retry: Retry) -> redis.Redis:
+    """A client that retries as `retry` says once it has reached the server: a server that is
+    not there at open is reported at once, naming the URL, not after a minute of retries."""
     with _naming_url(url):
         client = redis.Redis.from_url(
             url,
             socket_timeout=_SOCKET_TIMEOUT_S,
             socket_connect_timeout=5.0,
-            retry=retry,
+            retry=Retry(NoBackoff(), 0),
             protocol=2,  # fixes the reply shapes parsed below (RESP3 returns dicts)
         )
-        client.ping()  # fail at open, naming the URL, not at the first record
+        client.ping()
+    client.set_retry(retry)
     return client
 
 
@@ -82,33 +86,58 @@ def _parse_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
+# XADD once per (writer, sequence number): a write retried after its reply was lost (the
+# server restarted, the connection dropped) is not stored twice. The writer's newest number
+# lives beside the stream, updated in the same script, so it survives the server's restart.
+_ADD_ONCE = """
+local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if tonumber(ARGV[2]) <= last then return 0 end
+redis.call('XADD', KEYS[1], '*', 'w', ARGV[1], 'd', ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+def _reconnecting(retries: int = _RECONNECT_TRIES) -> Retry:
+    """Retries with backoff (0.1 s doubling to 2 s): about a minute for a server to come back."""
+    return Retry(ExponentialBackoff(cap=2.0, base=0.1), retries)
+
+
 class RedisStreamWriter:
     def __init__(self, url: str, run: str, stream: str, writer_id: str) -> None:
         self.url = url
         self.key = stream_key(run, stream)
+        self._seq_key = f"{self.key}:seq"
         self._writer_id = writer_id.encode()
-        # No automatic retry: an XADD retried after its reply was lost would store the record
-        # twice. A failed write raises; the next call reconnects.
-        self._client = _connect(url, Retry(NoBackoff(), 0))
+        # Retried writes are safe: each record carries the writer's next sequence number and
+        # the script stores it once (_ADD_ONCE).
+        self._client = _connect(url, _reconnecting())
+        self._add_once = self._client.register_script(_ADD_ONCE)
+        with _naming_url(url):
+            self._seq = int(self._client.hget(self._seq_key, self._writer_id) or 0)
 
-    def _fields(self, record: dict[str, Any]) -> dict[bytes, bytes]:
+    def _data(self, record: dict[str, Any]) -> bytes:
         # Python's JSON dialect keeps NaN and +-inf, so a -inf log-prob round-trips.
-        return {b"w": self._writer_id, b"d": json.dumps(record, separators=(",", ":")).encode()}
+        return json.dumps(record, separators=(",", ":")).encode()
+
+    def _add(self, data: bytes, client: Any) -> None:
+        self._seq += 1
+        self._add_once(keys=[self.key, self._seq_key], args=[self._writer_id, self._seq, data],
+                       client=client)
 
     def write(self, record: dict[str, Any]) -> None:
-        fields = self._fields(record)
         with _naming_url(self.url):
-            self._client.xadd(self.key, fields)
+            self._add(self._data(record), self._client)
 
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
-        """Pipelined XADDs: one round trip per few MB instead of one per record."""
+        """Pipelined: one round trip per few MB instead of one per record."""
         pipe = self._client.pipeline(transaction=False)
         pending_bytes = 0
         with _naming_url(self.url):
             for record in records:
-                fields = self._fields(record)
-                pipe.xadd(self.key, fields)
-                pending_bytes += len(fields[b"d"])
+                data = self._data(record)
+                self._add(data, pipe)
+                pending_bytes += len(data)
                 if pending_bytes >= _PIPELINE_BYTES or len(pipe) >= _PIPELINE_RECORDS:
                     pipe.execute()
                     pending_bytes = 0
@@ -152,7 +181,7 @@ class RedisStreamReader:
         self._last_id = (offsets or {}).get(stream, "0-0")
         _parse_id(self._last_id)  # reject a malformed saved offset now
         # Reads are idempotent (the position is ours, not the server's): retrying is safe.
-        self._client = _connect(url, Retry(ExponentialBackoff(cap=2.0, base=0.1), 3))
+        self._client = _connect(url, _reconnecting())
 
     def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
         """Up to `max_count` records; waits at most `timeout_s` for the first one."""
