@@ -15,6 +15,7 @@ import pytest
 from fake_tasks import DiesAtStartTask, FakeTask
 from tiny_models import VOCAB, tiny_hf_model
 
+from pipelinerl.admission import LocalLedger
 from pipelinerl.actor import Actor, Schedule
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.scoring import Scorer
@@ -156,17 +157,19 @@ def test_only_long_prompts_fail_loudly_naming_the_keys():
 # ---- admission with several actors ---------------------------------------------------------
 
 
-def test_two_actors_with_max_lag_0_fill_every_batch_with_a_fake_trainer():
+def test_two_actors_with_max_lag_0_fill_every_batch_with_a_fake_trainer(tmp_path):
     """Issue 8: B=24, G=8, two actors, max_lag=0 stalled at step 0 (16 of 24 samples admitted).
-    Real actors and engines in threads; a fake trainer takes 3 groups per step and hands the
-    new version to both through fake weight channels."""
+    Real actors and engines in threads, claiming places from one ledger file (each its own
+    handle, as two processes would); a fake trainer takes 3 groups per step and hands the new
+    version to both through fake weight channels."""
     published = [0]
     done = threading.Event()
     writer = ListWriter()
     actors = [
         make_actor(torch_engine(capacity=16), FakeTask(), writer=writer,
-                   schedule=Schedule(batch_size=24, group_size=8, max_lag=0, num_actors=2, actor_id=a),
-                   receiver=FakeReceiver(published), actor_id=a, should_stop=done.is_set)
+                   schedule=Schedule(batch_size=24, group_size=8, max_lag=0),
+                   ledger=LocalLedger(tmp_path), receiver=FakeReceiver(published), actor_id=a,
+                   should_stop=done.is_set)
         for a in range(2)
     ]
     threads = [threading.Thread(target=a.run) for a in actors]

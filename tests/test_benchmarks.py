@@ -60,3 +60,22 @@ def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str
     assert f"<!-- {section}:start -->" in out.read_text()
     # Quick mode never touches the committed results.
     assert (results.read_text() if results.exists() else None) == before
+
+
+@pytest.mark.slow
+def test_soak_quick_samples_every_role_and_the_run_directory(tmp_path: Path) -> None:
+    results = BENCHMARKS / "RESULTS.md"
+    before = results.read_text()
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "soak.py"), "--quick", "--minutes", "0.75",
+         "--every-s", "2", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("| trainer |", "| actor_0 |", "| streams |"):
+        assert row in proc.stdout, proc.stdout
+    # Checkpoints every 20 steps with 50 KB segments: the first segment is gone by the end.
+    rollouts = next((tmp_path / "soak" / "streams").glob("*/rollouts"))
+    assert not (rollouts / "actor_0.jsonl").exists() and list(rollouts.glob("actor_0@*.jsonl"))
+    assert (tmp_path / "soak.png").stat().st_size > 0
+    assert results.read_text() == before  # a smoke is never recorded

@@ -200,3 +200,29 @@ def test_groups_made_with_weights_lost_in_a_crash_are_dropped_whatever_the_step(
     # At step 44 version 42 is not even stale: only its attempt tells it apart.
     assert [g.group_id for g in source.take(2, step=44)] == ["s1-g0", "s2-g0"]
     assert source.dropped == {"after_checkpoint": 1} and source.returned == {0: 1}
+
+
+def test_a_trainer_waiting_for_groups_tells_a_blocked_actor_from_a_dead_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("pipelinerl.trainer.time.monotonic", lambda: clock[0])
+    source = _source(tmp_path)
+    with open_writer("local", stream="rollouts", writer_id="actor_1", root=tmp_path) as w:
+        w.write(_groups(0, n_groups=1, version=0)[0].to_dict() | {"actor_id": 1})
+    source._pull()
+    clock[0] += 45.0  # actor 1's group came 45 s ago, and nothing since
+    with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
+        w.write({"heartbeat": True, "actor_id": 0, "version": 3, "in_flight": 0,
+                 "places_used": 24, "waiting_for_weights": False, "blocked": True})
+    source._pull()
+    assert len(source.buffer) == 1  # a heartbeat is no group
+    report = source.actors_report(step=9)
+    assert "actor 0: alive but blocked by the staleness bound (it holds weights of version 3 " \
+           "at trainer step 9" in report
+    assert "actor 1: silent for 45 s, so dead or hung" in report
+    assert BatchSource(_ListReaderEmpty(), 4, 2, 5.0).actors_report(1).startswith("No actor has")
+
+
+class _ListReaderEmpty:
+    def read(self, max_count: int, timeout_s: float) -> list:
+        return []

@@ -15,13 +15,21 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.engine.base import Engine
 from pipelinerl.rl.advantages import Truncated, zero_variance
 from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks.base import Problem, Task
-from pipelinerl.types import GenerationOutput, GenerationRequest, Group, Sample, SamplingParams
+from pipelinerl.types import (
+    HEARTBEAT_S,
+    GenerationOutput,
+    GenerationRequest,
+    Group,
+    Sample,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,41 +39,37 @@ MAX_LONG_PROMPTS_IN_A_ROW = 1000  # draws that all fail to fit: the data or conf
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which groups an actor may start, given the weights it holds: exact quotas, no estimate.
+    """Which groups the actors may start, given the weights an actor holds: exact quotas.
 
-    An actor's groups hold places, numbered from 0 per actor; places are dealt to the actors
-    in turn: actor a's place k is global place g = k * num_actors + a. With K = batch_size //
-    group_size groups per optimizer step, the group in place g is expected to be trained at
-    step g // K, so started under weights of version v its first token has lag g // K - v. (The
-    trainer takes groups in arrival order: a group whose generation runs long is trained
-    later, and dropped by the trainer's filter if that makes it too stale.)
-    - pipeline: start a group in place g only if g // K - v <= max_lag. Over all actors,
-      exactly the groups of steps up to v + max_lag are admitted, whatever each actor's pace.
+    Groups hold places, numbered from 0 over the whole run (pipelinerl.admission's ledger
+    counts them over every actor). With K = batch_size // group_size groups per optimizer
+    step, the group in place g is expected to be trained at step g // K, so started under
+    weights of version v its first token has lag g // K - v. (The trainer takes groups in
+    arrival order: a group whose generation runs long is trained later, and dropped by the
+    trainer's filter if that makes it too stale.)
+    - pipeline: start a group in place g only if g // K - v <= max_lag: exactly the groups of
+      steps up to v + max_lag are admitted, whatever each actor's pace.
     - conventional: with the frozen weights of round r = v // C (C = conventional_g), start
       exactly the groups of round r's C steps, then wait for the trainer's C steps.
-    An actor's places in use = its groups published (over every process of it: `Group.seq`)
-    + its groups started and not yet published - those the trainer dropped (it sends their
-    count on the control stream). A group the actor drops itself (failed verification, zero
-    reward variance with actor.drop_zero_variance) or the trainer drops (stale, malformed)
-    so gives its place back, and a later group takes it: the trainer's batches stay whole.
+    A group an actor drops itself (failed verification, zero reward variance with
+    actor.drop_zero_variance) or the trainer drops (stale, malformed: it sends the count on the
+    control stream) gives its place back, and a later group takes it: batches stay whole.
     """
 
     batch_size: int
     group_size: int
     max_lag: int
-    num_actors: int = 1
-    actor_id: int = 0
     conventional_g: int = 0  # 0: pipeline mode
 
-    def expected_step(self, place: int) -> int:
-        """The optimizer step that trains the group in this actor's `place`, absent drops."""
-        return (place * self.num_actors + self.actor_id) // (self.batch_size // self.group_size)
+    def limit(self, version: int) -> int:
+        """Places below this may be in use while an actor holds weights of `version`."""
+        per_step = self.batch_size // self.group_size
+        if self.conventional_g:
+            return (version // self.conventional_g + 1) * self.conventional_g * per_step
+        return (version + self.max_lag + 1) * per_step
 
     def may_start(self, place: int, version: int) -> bool:
-        step = self.expected_step(place)
-        if self.conventional_g:
-            return step < (version // self.conventional_g + 1) * self.conventional_g
-        return step - version <= self.max_lag
+        return place < self.limit(version)
 
 
 @dataclass
@@ -128,14 +132,16 @@ class Actor:
         drop_zero_variance: bool = False,
         truncated: Truncated = "keep",
         truncated_reward: float = 0.0,
+        ledger: Ledger | None = None,
         returned: Callable[[], int] = lambda: 0,
         predecessor: dict[str, Any] | None = None,
         attempt: int = 0,
     ) -> None:
-        """`returned`: how many of this actor's published groups the trainer dropped (the
-        control stream's count). `predecessor`: the newest group an earlier process of this
-        actor published (its stream's last record): this one continues its count and waits for
-        the trainer's current weights before starting anything."""
+        """`ledger`: the run's admission ledger (None: this actor alone, in memory).
+        `returned`: how many published groups the trainer dropped, over every actor (the
+        control stream's count). `predecessor`: the newest record an earlier process of this
+        actor wrote (its stream's last): this one continues its count and waits for the
+        trainer's current weights before starting anything."""
         self.engine = engine
         self.task = task
         self.encode = encode
@@ -158,9 +164,12 @@ class Actor:
         self.stats = ActorStats()
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
+        self.ledger = ledger if ledger is not None else MemoryLedger()
         self.returned = returned
         self.attempt = attempt
         self.published = 0  # groups published, by earlier processes of this actor too
+        self._refused: tuple[int, int, float] | None = None  # (limit, returned, when)
+        self._last_write = time.monotonic()  # of a group or a heartbeat
         self._next_group = 0  # for unique group ids
         # Which process of this actor: in the ids of its groups, which are numbered as they
         # start and published as they finish (so a predecessor's last one is not its highest).
@@ -170,7 +179,11 @@ class Actor:
         self.needs_weights = predecessor is not None and receiver is not None
         if predecessor is not None:
             self.published = int(predecessor["seq"])
-            self._generation = generation(predecessor["group_id"]) + 1
+            last = (predecessor["generation"] if predecessor.get("heartbeat")
+                    else generation(predecessor["group_id"]))
+            self._generation = last + 1
+        # This actor's claim: published + started and not yet published (none yet).
+        self.ledger.set(actor_id, self.published)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_groups: int | None = None) -> None:
@@ -182,6 +195,7 @@ class Actor:
                 for scored in self.scorer.poll():
                     self.publish(scored)
                 self.fill()
+                self.maybe_heartbeat()
                 if self.in_flight == 0:
                     # Blocked by the staleness bound: wait for scores or the trainer's weights.
                     t0 = time.monotonic()
@@ -193,6 +207,20 @@ class Actor:
         finally:
             self.scorer.close()
             self._log_skips()
+
+    def maybe_heartbeat(self) -> None:
+        """When nothing was published for HEARTBEAT_S, say why on the rollout stream, so a
+        trainer waiting for groups tells a blocked actor from a dead one."""
+        now = time.monotonic()
+        if now - self._last_write < HEARTBEAT_S:
+            return
+        self._last_write = now
+        self.writer.write({"heartbeat": True, "actor_id": self.actor_id, "attempt": self.attempt,
+                           "version": self.engine.version, "in_flight": self.in_flight,
+                           "claimed": self.claimed(), "limit": self.schedule.limit(self.engine.version),
+                           "returned": self.returned(), "waiting_for_weights": self.needs_weights,
+                           "blocked": self.in_flight == 0, "seq": self.published,
+                           "generation": self._generation})
 
     def maybe_update_weights(self) -> None:
         if self.receiver is None:
@@ -207,20 +235,33 @@ class Actor:
         self.stats.last_update_pause_s = pause
         self.stats.total_update_pause_s += pause
 
-    def places_used(self) -> int:
-        """This actor's places in use (see Schedule): the next group takes this place."""
-        return self.published + len(self._groups) - self.returned()
+    def claimed(self) -> int:
+        """This actor's places (see pipelinerl.admission)."""
+        return self.published + len(self._groups)
+
+    def claim_place(self) -> bool:
+        """Take the run's next place if the weights held admit it (Schedule, via the ledger).
+        After a refusal, ask again only once the weights or the trainer's drops changed or
+        0.1 s passed (another actor may have given a place back), not on every loop."""
+        limit, returned = self.schedule.limit(self.engine.version), self.returned()
+        refused = self._refused
+        if refused is not None and refused[:2] == (limit, returned) and time.monotonic() - refused[2] < 0.1:
+            return False
+        if self.ledger.claim(self.actor_id, self.claimed() + 1, returned, limit):
+            self._refused = None
+            return True
+        self._refused = (limit, returned, time.monotonic())
+        return False
 
     def fill(self) -> None:
         if self.needs_weights:
             return
         long_in_a_row = 0
-        while self.in_flight + self.group_size <= self.engine.capacity and self.schedule.may_start(
-            self.places_used(), self.engine.version
-        ):
+        while self.in_flight + self.group_size <= self.engine.capacity and self.claim_place():
             if self.start_group():
                 long_in_a_row = 0
                 continue
+            self.ledger.set(self.actor_id, self.claimed())  # the place claimed goes back
             long_in_a_row += 1
             if long_in_a_row == MAX_LONG_PROMPTS_IN_A_ROW:
                 raise RuntimeError(
@@ -285,6 +326,7 @@ class Actor:
             # The group's baseline needs every attempt: drop the whole group, counted; its
             # place goes back, so a replacement keeps the trainer's batches whole.
             self.stats.skip(scored.reason, pending.problem.problem_id)
+            self.ledger.set(self.actor_id, self.claimed())
             return
         samples = [
             Sample(
@@ -304,6 +346,7 @@ class Actor:
                                                      self.truncated_reward):
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
             self.stats.skip("zero_variance", pending.problem.problem_id)
+            self.ledger.set(self.actor_id, self.claimed())
             return
         self.stats.groups_published += 1
         self.published += 1
@@ -317,6 +360,7 @@ class Actor:
             seq=self.published,
         )
         self.writer.write(group.to_dict())
+        self._last_write = time.monotonic()
 
 
 def generation(group_id: str) -> int:
@@ -347,6 +391,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     from pipelinerl.models.hf import encode_prompt, load_tokenizer
     from pipelinerl.roles import (
         Control,
+        open_admission_ledger,
         open_control_reader,
         open_rollout_writer,
         open_weight_receiver,
@@ -375,6 +420,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         return control.stop is not None
 
     writer = open_rollout_writer(cfg, actor_id)
+    ledger = open_admission_ledger(cfg)
     predecessor = writer.last_record()  # an earlier process of this actor (restart, resume)
     if predecessor is not None:
         log.info("actor %d continues after %d groups its earlier process published; its "
@@ -391,8 +437,6 @@ def run_actor(cfg: Any, actor_id: int) -> None:
             batch_size=cfg.trainer.batch_size,
             group_size=cfg.actor.group_size,
             max_lag=cfg.actor.max_lag,
-            num_actors=cfg.actor.num_actors,
-            actor_id=actor_id,
             conventional_g=mode_g,
         ),
         writer=writer,
@@ -406,7 +450,8 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         drop_zero_variance=cfg.actor.drop_zero_variance,
         truncated=cfg.trainer.loss.truncated,
         truncated_reward=cfg.trainer.loss.truncated_reward,
-        returned=lambda: control.returned_to(actor_id),
+        ledger=ledger,
+        returned=control.returned_total,
         predecessor=predecessor,
         attempt=cfg.attempt,
     )
@@ -414,6 +459,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         actor.run()
     finally:
         writer.close()
+        ledger.close()
         control.close()
         if receiver is not None:
             receiver.close()

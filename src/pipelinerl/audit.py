@@ -69,6 +69,8 @@ def local_records(root: Path, offsets: dict[str, Any]) -> Iterator[Published]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if record.get("heartbeat"):
+                    continue
                 yield Published(record.get("group_id", f"{writer}@{segment}:{end}"),
                                 record.get("actor_id", -1), (segment, end) <= limit)
 
@@ -102,6 +104,8 @@ def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterat
                                        min=last, max="+", count=1000):
             for entry_id, fields in entries:
                 record = json.loads(fields[b"d"])
+                if record.get("heartbeat"):
+                    continue
                 yield Published(record.get("group_id", entry_id.decode()),
                                 record.get("actor_id", -1), _parse_id(entry_id.decode()) <= limit)
             ms, seq = _parse_id(entries[-1][0].decode())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from pipelinerl.admission import LocalLedger, RedisLedger, open_ledger
 from pipelinerl.config import Config
 from pipelinerl.streams import Reader, Writer, open_reader, open_writer
 from pipelinerl.sync import make_receiver, make_sender
@@ -37,6 +38,11 @@ def open_rollout_writer(cfg: Config, actor_id: int) -> Writer:
 
 def open_rollout_reader(cfg: Config, offsets: dict | None = None) -> Reader:
     return open_reader(cfg.stream.backend, stream=ROLLOUTS, offsets=offsets, **_locations(cfg))
+
+
+def open_admission_ledger(cfg: Config) -> LocalLedger | RedisLedger:
+    """The ledger of places every actor of this run claims from (pipelinerl.admission)."""
+    return open_ledger(cfg.stream.backend, **_locations(cfg))
 
 
 def open_control_writer(cfg: Config) -> Writer:
@@ -93,6 +99,10 @@ class Control:
 
     def returned_to(self, actor_id: int) -> int:
         return int(self.returned.get(str(actor_id), 0))
+
+    def returned_total(self) -> int:
+        """Groups the trainer dropped, over every actor: their places are free again."""
+        return sum(int(v) for v in self.returned.values())
 
     def close(self) -> None:
         self.reader.close()

@@ -26,7 +26,7 @@ from pipelinerl.config import Config
 from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import WeightSender
-from pipelinerl.types import Group, Sample
+from pipelinerl.types import HEARTBEAT_S, Group, Sample
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ class BatchSource:
     trimmed: int = 0  # records deleted from the stream after checkpoints (counted for audits)
     wait_s: float = 0.0
     actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Per actor, when a group or heartbeat of it last came, and the newest heartbeat.
+    heartbeats: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    last_group: dict[int, float] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, Any]:
         """The checkpoint's part: where the reader stands, what it read and has not trained."""
@@ -80,6 +83,9 @@ class BatchSource:
         records = self.reader.read(max_count=256, timeout_s=0.5)
         self.wait_s += time.monotonic() - t0
         for record in records:
+            if record.get("heartbeat"):
+                self.heartbeats[record.get("actor_id", -1)] = (time.monotonic(), record)
+                continue
             try:
                 group = Group.from_dict(record)
                 _validate(group, self.group_size)
@@ -92,6 +98,7 @@ class BatchSource:
                     self.dropped["malformed"] += 1
                 continue
             self.actor_stats[group.actor_id] = group.actor_stats
+            self.last_group[group.actor_id] = time.monotonic()
             self.buffer.append(group)
 
     def _drop_reason(self, group: Group, step: int) -> str | None:
@@ -139,11 +146,35 @@ class BatchSource:
             elif time.monotonic() - last_arrival > self.timeout_s:
                 raise TimeoutError(
                     f"no rollout arrived for {self.timeout_s:.0f} s at step {step} (have "
-                    f"{len(batch)}/{n_groups} groups): is every actor alive? See the run's logs/ "
-                    "(with actor.drop_zero_variance, actors also drop every group a saturated "
-                    "policy solves or fails entirely: actor_skipped_zero_variance)"
+                    f"{len(batch)}/{n_groups} groups). {self.actors_report(step)} See the run's "
+                    "logs/ (with actor.drop_zero_variance, actors also drop every group a "
+                    "saturated policy solves or fails entirely: actor_skipped_zero_variance)"
                 )
         return batch
+
+    def actors_report(self, step: int) -> str:
+        """What each actor last said: blocked (alive, admitting nothing), busy, or silent."""
+        now = time.monotonic()
+        if not self.heartbeats and not self.last_group:
+            return "No actor has written anything: none started, or all died at start."
+        parts = []
+        for actor in sorted({*self.heartbeats, *self.last_group}):
+            heard, beat = self.heartbeats.get(actor, (0.0, None))
+            heard = max(heard, self.last_group.get(actor, 0.0))
+            ago = now - heard
+            if beat is None or ago > 3 * HEARTBEAT_S:
+                parts.append(f"actor {actor}: silent for {ago:.0f} s, so dead or hung")
+            elif beat.get("waiting_for_weights"):
+                parts.append(f"actor {actor}: alive, waiting for the trainer's weights")
+            elif beat.get("blocked"):
+                parts.append(f"actor {actor}: alive but blocked by the staleness bound (it holds "
+                             f"weights of version {beat['version']} at trainer step {step}, "
+                             f"{beat['places_used']} places used): the trainer's weights do not "
+                             "reach it, or admission is miscounted")
+            else:
+                parts.append(f"actor {actor}: alive, generating ({beat['in_flight']} sequences "
+                             "in flight) but finishing none")
+        return "; ".join(parts) + "."
 
 
 def valid_upto(resumes: list[tuple[int, int]]) -> dict[int, int]:

@@ -27,6 +27,11 @@ class GenerationRequest:
     params: SamplingParams
 
 
+# An actor that published no group for this long writes a heartbeat record on the rollout
+# stream (pipelinerl.actor), so the trainer tells a blocked actor from a dead one.
+HEARTBEAT_S = 10.0
+
+
 @dataclass
 class GenerationOutput:
     """A finished sequence as the engine returns it."""
