@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from pipelinerl.metrics.tables import markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
@@ -79,6 +81,5 @@ def environment(load_at_start: tuple[float, float, float]) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    """A markdown table ending in a newline, to be joined with the section's other text."""
+    return markdown_table(headers, rows) + "\n"

@@ -54,8 +54,8 @@ class DiesAtStartTask(FakeTask):
     """Kills the verifier worker that unpickles it: always, or only the first one (it leaves
     a mark in `mark_dir`). A worker dying at start makes pebble mark its pool broken."""
 
-    def __init__(self, mark_dir: str, always: bool) -> None:
-        super().__init__()
+    def __init__(self, mark_dir: str, always: bool, crash: frozenset[str] = frozenset()) -> None:
+        super().__init__(crash=crash)
         self.mark_dir, self.always = mark_dir, always
 
     def __setstate__(self, state: dict) -> None:

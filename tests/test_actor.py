@@ -325,6 +325,20 @@ def test_scorer_replaces_a_broken_pool_and_retries_its_groups(tmp_path):
     assert outcomes == {"g0": "", "g1": "", "g2": ""}
 
 
+def test_after_a_pool_breaks_only_the_crashing_group_is_counted(tmp_path):
+    # The first worker dies at start, breaking the pool under every group; then each group is
+    # tried alone on a pool of its own, so the verifier that kills its process (fake:1) takes
+    # down only its own group however its second crash lands (before or after its task
+    # started), never an innocent one beside it.
+    task = DiesAtStartTask(str(tmp_path), always=False, crash=frozenset({"fake:1"}))
+    scorer = Scorer(task, timeout_s=5.0, workers=2)
+    try:
+        outcomes = _score_all(scorer, task, [f"g{i}" for i in range(5)])
+    finally:
+        scorer.close()
+    assert outcomes == {"g0": "", "g1": "verifier_crash", "g2": "", "g3": "", "g4": ""}
+
+
 def test_scorer_stops_loudly_when_workers_can_never_start(tmp_path):
     task = DiesAtStartTask(str(tmp_path), always=True)
     scorer = Scorer(task, timeout_s=5.0, workers=1)

@@ -148,23 +148,25 @@ def test_a_redis_server_restart_mid_run_is_survived(tmp_path: Path) -> None:
 
 
 def test_sigint_at_random_moments_always_stops_the_run_cleanly(tmp_path: Path) -> None:
-    """Wherever Ctrl-C lands once the launcher runs (warm-start, spawning, supervising, a
-    role's first step), it exits with 130 within the stop grace and leaves no process.
-    Known gap: within the first ~2 s (Python still importing) the exit can be -2."""
+    """Wherever Ctrl-C lands once the interpreter runs our code (imports, warm-start, spawning,
+    supervising, a role's first step), it exits with 130 within the stop grace and leaves no
+    process. Before that, in the interpreter's own start-up (about 0.15 s here, measured by
+    sending SIGINT at fixed delays), Python's default handling applies (docs/reliability.md)."""
     import random
 
     rng = random.Random(20261123)
-    for trial in range(8):
+    delays = [0.5, 1.0, *(rng.uniform(0.5, 12.0) for _ in range(6))]
+    for trial, delay in enumerate(delays):
         name = f"sigint-{trial}"
         proc = _train(_args(tmp_path, name, "trainer.max_steps=100000"))
-        time.sleep(rng.uniform(3.0, 12.0))
+        time.sleep(delay)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
         try:
             code = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"trial {trial}: the launcher did not exit within 60 s")
-        assert code == 130, f"trial {trial}: exit code {code}: {proc.stderr.read()[-2000:]}"
+        assert code == 130, f"trial {trial} ({delay:.2f} s): exit code {code}: {proc.stderr.read()[-2000:]}"
         leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "runs" / name)],
                                   capture_output=True, text=True)
         assert leftover.stdout.strip() == "", f"trial {trial}: left {leftover.stdout}"

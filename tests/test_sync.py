@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
-import socket
 import threading
 import time
 import uuid
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipelinerl.ports import free_port
 from pipelinerl.sync import (
     BroadcastWeightReceiver,
     BroadcastWeightSender,
@@ -70,12 +70,6 @@ def _assert_same(received: dict[str, torch.Tensor], version: int) -> None:
 
 def _run_id() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(q: Any, timeout: float = 60.0) -> Any:
@@ -338,7 +332,7 @@ def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int]
 
 
 def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     versions = [1, 2, 3]
     queues = [SPAWN.Queue(), SPAWN.Queue()]
     dtypes = [torch.float32, torch.bfloat16]
@@ -374,7 +368,7 @@ def test_broadcast_bucketed_and_per_parameter_to_two_actors() -> None:
 
 
 def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     # One queue each: a child killed while its queue feeder holds the lock would block a shared one.
     q_survivor, q_doomed = SPAWN.Queue(), SPAWN.Queue()
     survivor = SPAWN.Process(target=_bcast_receiver,
@@ -406,7 +400,7 @@ def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
 
 
 def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     errors: list[BaseException] = []
 
     def trainer() -> None:
@@ -429,7 +423,7 @@ def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:
 
 
 def test_broadcast_mismatched_targets_fail_at_both_ends() -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     errors: list[BaseException] = []
 
     def trainer() -> None:
@@ -459,7 +453,7 @@ def test_broadcast_mismatched_targets_fail_at_both_ends() -> None:
 
 
 def test_broadcast_backend_mismatch_fails_every_rank() -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     errors: list[BaseException] = []
 
     def trainer() -> None:
@@ -479,7 +473,7 @@ def test_broadcast_backend_mismatch_fails_every_rank() -> None:
 
 
 def test_broadcast_receiver_without_trainer_times_out() -> None:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     with pytest.raises(TimeoutError, match="is the trainer up"):
         BroadcastWeightReceiver(init, 0, 1, rendezvous_timeout_s=0.5)
     with pytest.raises(ValueError, match="tcp://host:port"):

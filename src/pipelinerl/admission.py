@@ -129,10 +129,10 @@ class LocalLedger:
 
 class RedisLedger:
     def __init__(self, url: str, run: str) -> None:
-        from pipelinerl.streams.redis_stream import _connect, _reconnecting, stream_key
+        from pipelinerl.streams.redis_stream import connect, reconnecting, stream_key
 
         self.key = stream_key(run, "admission")
-        self._client = _connect(url, _reconnecting())  # every operation is idempotent
+        self._client = connect(url, reconnecting())  # every operation is idempotent
         self._claim = self._client.register_script(_CLAIM)
 
     def claim(self, actor_id: int, new_claim: int, returned: int, limit: int) -> bool:

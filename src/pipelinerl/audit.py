@@ -26,6 +26,7 @@ from typing import Any
 
 from pipelinerl.checkpoint import latest_checkpoint, read_state
 from pipelinerl.config import Config, load_config
+from pipelinerl.metrics.tables import markdown_table
 from pipelinerl.streams.local import segment_name
 
 
@@ -84,20 +85,20 @@ def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterat
     from pipelinerl.streams.redis_server import start_redis_server
     from pipelinerl.streams.redis_stream import (
         StreamConnectionError,
-        _connect,
-        _parse_id,
+        connect,
+        parse_id,
         stream_key,
     )
 
     server = None
     try:
-        client = _connect(cfg.stream.redis_url, Retry(NoBackoff(), 0))
+        client = connect(cfg.stream.redis_url, Retry(NoBackoff(), 0))
     except StreamConnectionError:
         if not (run_dir / "redis").is_dir():
             raise
         server = start_redis_server(dir=run_dir / "redis")
-        client = _connect(server.url, Retry(NoBackoff(), 0))
-    limit = _parse_id(offsets.get("rollouts", "0-0"))
+        client = connect(server.url, Retry(NoBackoff(), 0))
+    limit = parse_id(offsets.get("rollouts", "0-0"))
     last = "-"
     try:
         while entries := client.xrange(stream_key(f"{cfg.name}:{cfg.run_id}", "rollouts"),
@@ -107,8 +108,8 @@ def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterat
                 if record.get("heartbeat"):
                     continue
                 yield Published(record.get("group_id", entry_id.decode()),
-                                record.get("actor_id", -1), _parse_id(entry_id.decode()) <= limit)
-            ms, seq = _parse_id(entries[-1][0].decode())
+                                record.get("actor_id", -1), parse_id(entry_id.decode()) <= limit)
+            ms, seq = parse_id(entries[-1][0].decode())
             last = f"({ms}-{seq}"
     finally:
         client.close()
@@ -178,11 +179,6 @@ def _actor_of(group_id: str) -> int:
     """Group ids are `a<actor>-...` (pipelinerl.actor)."""
     head = group_id.split("-", 1)[0]
     return int(head[1:]) if head[1:].isdigit() else -1
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
 def main(run_dir: str) -> int:

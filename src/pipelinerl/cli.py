@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+# Only the standard library at module level: everything else is imported inside `main`'s
+# `try`, so a Ctrl-C while it loads exits like any other (130), not with a traceback or -2.
 import argparse
 import logging
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
-from pipelinerl.config import Config, ConfigError, load_config
+if TYPE_CHECKING:
+    from pipelinerl.config import Config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +96,8 @@ def _main(argv: list[str] | None) -> int:
         from pipelinerl.audit import main as audit_main
 
         return audit_main(args.run_dir)
+    from pipelinerl.config import ConfigError, load_config
+
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from pipelinerl.config import Config, save_config
+from pipelinerl.ports import free_port
 
 ERROR_FILE = "{role}.error"
 # How long the trainer may keep running after every actor left. Actors leave on the trainer's
@@ -87,7 +88,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if not cfg.model.path:
         cfg.model.path = str(starting_model(cfg))
     if cfg.sync.backend == "broadcast" and not cfg.sync.init_method:
-        cfg.sync.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        cfg.sync.init_method = f"tcp://127.0.0.1:{free_port()}"
     save_config(cfg, run_dir / "config.yaml")
     return cfg
 
@@ -117,7 +118,7 @@ def prepare_resume(cfg: Config) -> Config:
                          "and batch shape; start a new run (another name=) to change them")
     cfg.run_id, cfg.attempt = saved.run_id, saved.attempt + 1
     if cfg.sync.backend == "broadcast" and not cfg.sync.init_method:
-        cfg.sync.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        cfg.sync.init_method = f"tcp://127.0.0.1:{free_port()}"
     logs = run_dir / "logs"
     earlier = logs / f"attempt{saved.attempt}"
     earlier.mkdir(parents=True, exist_ok=True)
@@ -156,21 +157,14 @@ def starting_model(cfg: Config) -> Path:
         ws = replace(ws, step_error_prob=cfg.warmstart.step_error_prob)
     # Without the held-out part: the warm-start is training too.
     task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
-    if not hasattr(task, "demonstration"):
-        raise SystemExit(f"task {cfg.task.name!r} has no demonstrations to warm-start from: "
-                         "give model.path=DIR")
+    lacks = [a for a in ("demonstration", "alphabet", "params") if not hasattr(task, a)]
+    if lacks:
+        raise SystemExit(f"task {cfg.task.name!r} cannot be warm-started (it lacks "
+                         f"{', '.join(lacks)}; docs/tasks.md): give model.path=DIR")
     cache_dir = resolve_cache_dir(cfg.warmstart.cache_dir)
     print(f"warm-start: starting policy from {cache_dir} (built there on first use)",
           file=sys.stderr)
     return warm_start(task, ws, cache_dir=cache_dir, progress=cfg.metrics.progress)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool,
@@ -310,8 +304,13 @@ def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
     try:
         try:
             with signals.interrupting():  # the warm start, the model check's imports
+                check_task(cfg)
+                given_model = bool(cfg.model.path)
+                if given_model:  # refused before the run directory is touched
+                    check_model(cfg)
                 cfg = prepare_run(cfg, overwrite, resume)
-                check_model(cfg)
+                if not given_model:  # the warm-started one, or the resumed run's
+                    check_model(cfg)
         except BaseException:
             if not signals.stop:
                 raise
@@ -332,6 +331,19 @@ def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
     finally:
         if not signals.stop:
             signals.restore()
+
+
+def check_task(cfg: Config) -> None:
+    """Build the task as the roles will, so that a module that does not import, a class that
+    is not a Task, bad params or a task the verifier workers cannot receive are reported now,
+    before any process starts, rather than as a role's traceback."""
+    from pipelinerl.scoring import check_sendable
+    from pipelinerl.tasks import make_train_task
+
+    try:
+        check_sendable(make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"pipelinerl: {e}") from e
 
 
 def check_model(cfg: Config) -> None:

@@ -97,9 +97,6 @@ class Control:
                 elif record["type"] == "returned":
                     self.returned = record["returned"]
 
-    def returned_to(self, actor_id: int) -> int:
-        return int(self.returned.get(str(actor_id), 0))
-
     def returned_total(self) -> int:
         """Groups the trainer dropped, over every actor: their places are free again."""
         return sum(int(v) for v in self.returned.values())

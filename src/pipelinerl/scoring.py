@@ -9,6 +9,10 @@ process dies counts as `verifier_crash`. A group with any failed attempt is drop
 since its baseline needs every attempt. The task travels to each worker pickled, once, at
 the worker's start.
 
+A worker that dies before pebble saw its task start breaks the whole pool, failing every
+group in it, most of them innocent. Those groups are tried once more, each alone on a pool of
+its own (at most `workers` such pools at a time), so a second failure is the group's own.
+
 A task whose `score` already runs its verifier in a killable process under its own deadline,
 and is thread-safe, sets `bounds_score_time = True` (the math task does): it is called from
 threads instead, as a second process around it would only add a hop.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -49,6 +54,20 @@ def _score_in_worker(problem: Problem, completion: str) -> Score:
     return _worker_task.score(problem, completion)
 
 
+def check_sendable(task: Task) -> None:
+    """Refuse a task the verifier worker processes cannot receive (see the module docstring)."""
+    if getattr(task, "bounds_score_time", False):
+        return
+    try:
+        pickle.dumps(task)
+    except Exception as exc:  # noqa: BLE001 - pickle raises several types
+        raise TypeError(
+            f"task {task.name!r} cannot be sent to the verifier worker processes ({exc!r}): "
+            "make it picklable, or, if its score() is thread-safe and bounds its own time, "
+            "set bounds_score_time = True on it"
+        ) from None
+
+
 @dataclass
 class Scored:
     """One group's outcome: its scores in completion order, or the reason it was dropped."""
@@ -65,6 +84,7 @@ class _Job:
     futures: list[Future]
     remaining: int  # verifications not yet seen finished
     retried: bool = False  # already sent again after a pool broke under it
+    pool: ProcessPool | None = None  # its own pool, once retried
 
 
 class Scorer:
@@ -76,27 +96,21 @@ class Scorer:
         self.workers = workers
         self._breaks_in_a_row = 0
         self._jobs: dict[str, _Job] = {}
+        self._to_retry: deque[str] = deque()  # keys of groups waiting for a pool of their own
         # Finished verifications, (group key, future), put by the futures' callbacks: `poll`
         # looks only at what finished, never scans what is still running.
         self._finished: SimpleQueue[tuple[str, Future]] = SimpleQueue()
         self._threads: ThreadPoolExecutor | None = None
         self._processes: ProcessPool | None = None
+        check_sendable(task)
         if getattr(task, "bounds_score_time", False):
             self._threads = ThreadPoolExecutor(workers, thread_name_prefix="verifier")
             return
-        try:
-            pickle.dumps(task)
-        except Exception as exc:  # noqa: BLE001 - pickle raises several types
-            raise TypeError(
-                f"task {task.name!r} cannot be sent to the verifier worker processes ({exc!r}): "
-                "make it picklable, or, if its score() is thread-safe and bounds its own time, "
-                "set bounds_score_time = True on it"
-            ) from None
-        self._processes = self._new_pool()
+        self._processes = self._new_pool(self.workers)
 
-    def _new_pool(self) -> ProcessPool:
+    def _new_pool(self, workers: int) -> ProcessPool:
         # spawn: a worker never inherits the actor's threads, CUDA context or engine memory.
-        return ProcessPool(self.workers, initializer=_load_task, initargs=(self.task,),
+        return ProcessPool(workers, initializer=_load_task, initargs=(self.task,),
                            context=multiprocessing.get_context("spawn"))
 
     def _live_pool(self) -> ProcessPool:
@@ -118,7 +132,7 @@ class Scorer:
         log.warning("the verifier pool of task %s broke (a worker died before its task started, "
                     "or at start): starting a new one", self.task.name)
         self._processes.stop()
-        self._processes = self._new_pool()
+        self._processes = self._new_pool(self.workers)
         return self._processes
 
     def submit(self, key: str, problem: Problem, completions: list[str]) -> None:
@@ -128,6 +142,9 @@ class Scorer:
         if self._threads is not None:
             futures = [self._threads.submit(self.task.score, job.problem, c)
                        for c in job.completions]
+        elif job.retried:
+            job.pool = self._new_pool(1)
+            futures = self._schedule(job.pool, job.problem, job.completions)
         else:
             pool = self._live_pool()
             try:
@@ -156,24 +173,36 @@ class Scorer:
             if job is None or not any(future is f for f in job.futures):
                 continue  # its group already failed, or was sent again
             if isinstance(future.exception(), BrokenProcessPool) and not job.retried:
-                # A broken pool fails every task it held, most of them innocent of the crash
-                # that broke it: each group gets one more try on a new pool.
                 job.retried = True
-                self._start(key, job)
+                job.futures = []  # the rest of its failed tasks are ignored as they come
+                self._to_retry.append(key)
                 continue
             if reason := self._failure(job, future):
                 for other in job.futures:
                     if not other.running():  # cancelling a running one would kill its worker
                         other.cancel()
                 ready.append(Scored(key, None, reason))
-                del self._jobs[key]
+                self._end(key)
                 continue
             self._breaks_in_a_row = 0
             job.remaining -= 1
             if job.remaining == 0:
                 ready.append(Scored(key, [f.result() for f in job.futures]))
-                del self._jobs[key]
+                self._end(key)
+        self._start_retries()
         return ready
+
+    def _start_retries(self) -> None:
+        alone = sum(job.pool is not None for job in self._jobs.values())
+        while self._to_retry and alone < self.workers:
+            key = self._to_retry.popleft()
+            self._start(key, self._jobs[key])
+            alone += 1
+
+    def _end(self, key: str) -> None:
+        job = self._jobs.pop(key)
+        if job.pool is not None:
+            job.pool.stop()
 
     def wait(self, timeout_s: float) -> None:
         """Block until some verification finishes or `timeout_s` passes."""
@@ -190,7 +219,7 @@ class Scorer:
         if isinstance(exc, TimeoutError):
             return "verifier_timeout"
         if isinstance(exc, BrokenProcessPool):
-            return "verifier_crash"  # a pool broke under it twice (see _live_pool)
+            return "verifier_crash"  # its own pool broke too
         if isinstance(exc, ProcessExpired):
             log.warning("verifier process of task %s died on problem %s (exit code %s)",
                         self.task.name, job.problem.problem_id, exc.exitcode)
@@ -201,7 +230,11 @@ class Scorer:
 
     def close(self) -> None:
         """Stop the workers; verifications still running are abandoned."""
+        for job in self._jobs.values():
+            if job.pool is not None:
+                job.pool.stop()
         self._jobs.clear()
+        self._to_retry.clear()
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
 import redis
+
+from pipelinerl.ports import free_port
 
 _LOG_NAME = "redis.log"
 
@@ -51,12 +52,6 @@ def _log_tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
         return "(no log written)"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _ready(url: str, pid: int) -> bool:
@@ -107,7 +102,7 @@ def start_redis_server(
     data_dir.mkdir(parents=True, exist_ok=True)
     # A free port picked here can be taken before redis binds it; then try another.
     for _ in range(1 if port else 3):
-        chosen = port or _free_port(bind)
+        chosen = port or free_port(bind)
         server = _launch(exe, data_dir, bind, chosen, appendonly, startup_timeout_s, preexec_fn)
         if server is not None:
             return server

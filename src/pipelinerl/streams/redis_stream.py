@@ -32,7 +32,7 @@ _SOCKET_TIMEOUT_S = 30.0  # a dead server is reported within this, never a hang
 _MAX_BLOCK_S = 5.0  # XREAD BLOCK is cut into slices well under the socket timeout
 _PIPELINE_BYTES = 4 << 20  # write_many sends this much per round trip, bounding its buffer
 _PIPELINE_RECORDS = 1000
-_RECONNECT_TRIES = 30  # with _reconnecting's backoff: about a minute
+_RECONNECT_TRIES = 30  # with reconnecting's backoff: about a minute
 
 
 class StreamConnectionError(ConnectionError):
@@ -63,7 +63,7 @@ def _naming_url(url: str) -> Iterator[None]:
         raise StreamConnectionError(f"redis stream server at {_redact(url)}: {e}") from e
 
 
-def _connect(url: str, retry: Retry) -> redis.Redis:
+def connect(url: str, retry: Retry) -> redis.Redis:
     """A client that retries as `retry` says once it has reached the server: a server that is
     not there at open is reported at once, naming the URL, not after a minute of retries."""
     with _naming_url(url):
@@ -79,7 +79,7 @@ def _connect(url: str, retry: Retry) -> redis.Redis:
     return client
 
 
-def _parse_id(entry_id: str) -> tuple[int, int]:
+def parse_id(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     if not (ms.isdigit() and seq.isdigit()):
         raise ValueError(f"malformed redis stream id {entry_id!r} (expected '<ms>-<seq>')")
@@ -98,7 +98,7 @@ return 1
 """
 
 
-def _reconnecting(retries: int = _RECONNECT_TRIES) -> Retry:
+def reconnecting(retries: int = _RECONNECT_TRIES) -> Retry:
     """Retries with backoff (0.1 s doubling to 2 s): about a minute for a server to come back."""
     return Retry(ExponentialBackoff(cap=2.0, base=0.1), retries)
 
@@ -111,7 +111,7 @@ class RedisStreamWriter:
         self._writer_id = writer_id.encode()
         # Retried writes are safe: each record carries the writer's next sequence number and
         # the script stores it once (_ADD_ONCE).
-        self._client = _connect(url, _reconnecting())
+        self._client = connect(url, reconnecting())
         self._add_once = self._client.register_script(_ADD_ONCE)
         with _naming_url(url):
             self._seq = int(self._client.hget(self._seq_key, self._writer_id) or 0)
@@ -153,7 +153,7 @@ class RedisStreamWriter:
                 for entry_id, fields in entries:
                     if fields[b"w"] == self._writer_id:
                         return json.loads(fields[b"d"])
-                ms, seq = _parse_id(entries[-1][0].decode())
+                ms, seq = parse_id(entries[-1][0].decode())
                 if ms == 0 and seq == 0:
                     return None
                 end = f"({ms}-{seq}"  # exclusive: before the oldest entry of this page
@@ -179,9 +179,9 @@ class RedisStreamReader:
         # "0-0": a fresh reader starts at the beginning, so records written before the trainer
         # came up (actors start first) are not skipped.
         self._last_id = (offsets or {}).get(stream, "0-0")
-        _parse_id(self._last_id)  # reject a malformed saved offset now
+        parse_id(self._last_id)  # reject a malformed saved offset now
         # Reads are idempotent (the position is ours, not the server's): retrying is safe.
-        self._client = _connect(url, _reconnecting())
+        self._client = connect(url, reconnecting())
 
     def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
         """Up to `max_count` records; waits at most `timeout_s` for the first one."""
@@ -215,7 +215,7 @@ class RedisStreamReader:
         Call it only once no restart can go back before `offsets`; records after them, read or
         not, are kept. Returns how many entries were deleted.
         """
-        ms, seq = _parse_id(offsets[self.stream])
+        ms, seq = parse_id(offsets[self.stream])
         with _naming_url(self.url):
             # MINID keeps ids >= its argument, so pass the id just after the saved one.
             return int(self._client.xtrim(self.key, minid=f"{ms}-{seq + 1}", approximate=False))

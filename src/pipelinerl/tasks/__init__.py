@@ -1,9 +1,16 @@
-"""Tasks: where prompts come from and how completions are scored. `make_task` is the registry."""
+"""Tasks: where prompts come from and how completions are scored. `make_task` builds one from
+`task.name`: a built-in name, an entry point of group `pipelinerl.tasks` (an installed
+package's task), or an import path `module:Class` (a module in the working directory, on
+PYTHONPATH or installed). docs/tasks.md has the protocol."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 import random
+import sys
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
@@ -31,28 +38,93 @@ class DemonstrationTask(Task, Protocol):
     ) -> str: ...
 
 
+ENTRY_POINT_GROUP = "pipelinerl.tasks"
+
+
+def task_class(name: str) -> Any:
+    """What `task.name` names: a class (or any callable) that builds the task from its params."""
+    if name in TASKS:
+        return TASKS[name]
+    if ":" in name:
+        return _import_path(name)
+    installed = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if name in installed:
+        try:
+            return installed[name].load()
+        except Exception as e:  # noqa: BLE001 - whatever the package's import raises
+            raise ValueError(f"task {name!r}: loading entry point {installed[name].value!r} "
+                             f"raised {type(e).__name__}: {e}") from e
+    raise ValueError(
+        f"unknown task {name!r}: not built in {sorted(TASKS)}, not an installed entry point of "
+        f"group {ENTRY_POINT_GROUP!r} {sorted(installed)}, and not an import path "
+        "'module:Class'"
+    )
+
+
+def _import_path(name: str) -> Any:
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"task {name!r}: an import path is 'module:Class' (e.g. my_tasks:Reverse)")
+    # Console scripts do not put the working directory on sys.path; `python -m` does. Both
+    # should find a user's module sitting beside their config.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module_name.startswith(e.name):
+            raise ValueError(f"task {name!r}: no module named {e.name!r} (looked in the working "
+                             f"directory {os.getcwd()}, PYTHONPATH and installed packages)") from e
+        raise ValueError(f"task {name!r}: importing module {module_name!r} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a user's module may raise anything at import
+        raise ValueError(f"task {name!r}: importing module {module_name!r} raised "
+                         f"{type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"task {name!r}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} "
+                             f"has no attribute {part!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"task {name!r}: {attr!r} is a {type(obj).__name__}, not a class")
+    return obj
+
+
+def check_task(task: Any, name: str) -> None:
+    """Refuse an object that does not have what the roles call on a task."""
+    missing = [m for m in ("sample_problem", "score") if not callable(getattr(task, m, None))]
+    if missing or not isinstance(getattr(task, "name", None), str):
+        what = [f"method {m}()" for m in missing]
+        if not isinstance(getattr(task, "name", None), str):
+            what.append("a str attribute `name`")
+        raise ValueError(f"task {name!r}: {type(task).__name__} is not a Task: it lacks "
+                         f"{', '.join(what)} (docs/tasks.md)")
+
+
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
-    """Build a registered task; unknown names, unknown or missing params and bad values fail
-    with the task and the param named."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
-    cls = TASKS[name]
+    """Build the task `name` names (see `task_class`); an unknown name, an import that fails,
+    unknown or missing params and bad values fail with the task and the param named."""
+    cls = task_class(name)
     params = dict(params or {})
     sig = inspect.signature(cls)
-    unknown = sorted(set(params) - set(sig.parameters))
-    if unknown:
+    named = {n: p for n, p in sig.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    unknown = sorted(set(params) - set(named))
+    if unknown and not takes_any:
         raise ValueError(
-            f"task {name!r}: unknown param(s) {unknown}; accepted: {sorted(sig.parameters)}"
+            f"task {name!r}: unknown param(s) {unknown}; accepted: {sorted(named)}"
         )
-    missing = [
-        p.name for p in sig.parameters.values() if p.default is p.empty and p.name not in params
-    ]
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in params]
     if missing:
         raise ValueError(f"task {name!r}: missing required param(s) {missing}")
     try:
-        return cls(**params)
+        task = cls(**params)
     except (ValueError, TypeError) as e:
         raise ValueError(f"task {name!r}: invalid params: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a user's constructor may raise anything
+        raise ValueError(f"task {name!r}: building it raised {type(e).__name__}: {e}") from e
+    check_task(task, name)
+    return task
 
 
 def make_train_task(name: str, params: dict[str, Any] | None, heldout_frac: float) -> Task:
@@ -70,7 +142,9 @@ __all__ = [
     "Score",
     "Task",
     "TrainSplit",
+    "check_task",
     "heldout_problems",
     "make_task",
     "make_train_task",
+    "task_class",
 ]
