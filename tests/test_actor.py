@@ -255,9 +255,19 @@ def test_slow_verifier_does_not_stall_engine_steps():
 def test_group_waiting_for_scores_still_holds_its_place():
     # max_lag 0, one group per step, no trainer: exactly one group may ever start, even after
     # it has left the engine and waits for its scores.
+    # It runs until half a second after its group was published (not for a fixed time: the
+    # verifier worker's start under load could take longer than that).
     schedule = Schedule(batch_size=4, group_size=4, max_lag=0)
     engine = FakeEngine(capacity=8)
-    actor = make_actor(engine, FakeTask(delay_s=0.3), schedule, should_stop=stop_after(1.5))
+    published_at: list[float] = []
+
+    def a_while_after_publishing() -> bool:
+        if actor.stats.groups_published and not published_at:
+            published_at.append(time.monotonic())
+        return bool(published_at) and time.monotonic() - published_at[0] > 0.5
+
+    actor = make_actor(engine, FakeTask(delay_s=0.3), schedule,
+                       should_stop=stop_after(60, a_while_after_publishing))
     actor.run()
     assert engine.requests_added == 4 and actor.stats.groups_published == 1
 

@@ -275,3 +275,14 @@ def test_launch_refuses_an_unsupported_family_before_any_role_starts(tmp_path: P
     with pytest.raises(SystemExit, match="model_type 'gpt2'.*supported.*llama.*mistral.*qwen2.*qwen3"):
         launch(cfg)
     assert not cfg.run_dir.exists()  # refused before the run directory (or any role)
+
+
+def test_a_saved_char_tokenizer_keeps_spaces_and_newlines_beside_a_qwen2_model(tmp_path: Path) -> None:
+    # transformers picks Qwen2Tokenizer from a qwen2 config.json, whose pre-tokenizer dropped
+    # every space and newline of a char tokenizer; load_tokenizer loads it as saved.
+    tokenizer = build_char_tokenizer("ab \n", tmp_path / "tok")
+    model_dir = build_tiny_model(tmp_path / "model", tokenizer)
+    loaded = load_tokenizer(model_dir)
+    text = "a b\nba"
+    assert loaded.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text

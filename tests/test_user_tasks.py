@@ -91,7 +91,7 @@ def test_a_task_class_is_found_by_import_path_in_the_working_directory(user_dir:
         ("usertasks_good:NoScore", {}, "NoScore is not a Task: it lacks method score"),
         ("usertasks_good:Strict", {}, r"missing required param\(s\) \['size'\]"),
         ("usertasks_good:Strict", {"size": 0}, "building it raised RuntimeError: size must be"),
-        ("usertasks_good:", {}, "an import path is 'module:Class'"),
+        ("usertasks_good:", {}, "an import path is 'module:attribute'"),
         ("nonesuch", {}, "not built in.*pipelinerl.tasks.*module:Class"),
     ],
 )

@@ -77,6 +77,7 @@ class _PendingGroup:
     """A started group, in the engine or waiting for its scores: it holds a place."""
 
     problem: Problem
+    data_pos: int | None = None  # the task's position before its problem was drawn
     outputs: list[GenerationOutput] = field(default_factory=list)
 
 
@@ -182,6 +183,8 @@ class Actor:
             last = (predecessor["generation"] if predecessor.get("heartbeat")
                     else generation(predecessor["group_id"]))
             self._generation = last + 1
+            if predecessor.get("data_pos") is not None:
+                self.task.seek(predecessor["data_pos"])
         # This actor's claim: published + started and not yet published (none yet).
         self.ledger.set(actor_id, self.published)
 
@@ -220,7 +223,17 @@ class Actor:
                            "claimed": self.claimed(), "limit": self.schedule.limit(self.engine.version),
                            "returned": self.returned(), "waiting_for_weights": self.needs_weights,
                            "blocked": self.in_flight == 0, "seq": self.published,
-                           "generation": self._generation})
+                           "generation": self._generation, "data_pos": self.data_pos()})
+
+    def data_pos(self) -> int | None:
+        """Where a successor's draws resume: the position of the oldest problem still in
+        flight (generated again then), else the task's next one. Groups in flight that were
+        drawn after it are drawn again too: at most a pipeline's worth of repeats."""
+        position = getattr(self.task, "position", None)
+        if position is None:
+            return None
+        pending = [g.data_pos for g in self._groups.values() if g.data_pos is not None]
+        return min(pending, default=position)
 
     def maybe_update_weights(self) -> None:
         if self.receiver is None:
@@ -274,6 +287,7 @@ class Actor:
     def start_group(self) -> bool:
         """Start a group in the next admitted place; False (counted, no place used) if the
         prompt drawn does not fit in the engine."""
+        data_pos = getattr(self.task, "position", None)
         problem = self.task.sample_problem(self.rng)
         prompt_ids = self.encode(problem.prompt)
         if len(prompt_ids) > self.max_prompt_tokens:
@@ -283,7 +297,7 @@ class Actor:
         if self._generation:
             group_id = f"a{self.actor_id}-r{self._generation}-g{self._next_group}"
         self._next_group += 1
-        self._groups[group_id] = _PendingGroup(problem)
+        self._groups[group_id] = _PendingGroup(problem, data_pos)
         for i in range(self.group_size):
             self.engine.add_request(
                 GenerationRequest(f"{group_id}-{i}", list(prompt_ids), self.sampling)
@@ -358,6 +372,7 @@ class Actor:
             actor_stats=self.stats.snapshot(self.engine.version),
             attempt=self.attempt,
             seq=self.published,
+            data_pos=self.data_pos(),
         )
         self.writer.write(group.to_dict())
         self._last_write = time.monotonic()
@@ -388,7 +403,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     import torch
 
     from pipelinerl.engine import make_engine
-    from pipelinerl.models.hf import encode_prompt, load_tokenizer
+    from pipelinerl.models.prompts import prompt_format
     from pipelinerl.roles import (
         Control,
         open_admission_ledger,
@@ -403,9 +418,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         raise ValueError(f"--actor-id {actor_id} is outside [0, actor.num_actors="
                          f"{cfg.actor.num_actors})")
     torch.set_num_threads(cfg.actor.threads)
-    tokenizer = load_tokenizer(cfg.model.path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer at {cfg.model.path} has no eos token: the engine needs a stop token")
+    encode, stop_ids, tokenizer = prompt_format(cfg, cfg.model.path)
     engine = make_engine(cfg.engine, cfg.model.path, seed=cfg.seed * 1000 + actor_id)
     control = Control(open_control_reader(cfg), cfg.attempt)
     last_check = [0.0]
@@ -427,12 +440,15 @@ def run_actor(cfg: Any, actor_id: int) -> None:
                  "groups in flight then are generated again", actor_id, predecessor["seq"])
     receiver = open_weight_receiver(cfg, actor_id)
     mode_g = cfg.conventional_g if cfg.mode == "conventional" else 0
+    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
+    if hasattr(task, "shard"):  # a dataset: each actor reads its own positions
+        task.shard(actor_id, cfg.actor.num_actors)
     actor = Actor(
         engine=engine,
-        task=make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac),
-        encode=lambda text: encode_prompt(tokenizer, text),
+        task=task,
+        encode=encode,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        sampling=sampling_from_config(cfg.engine, (tokenizer.eos_token_id,)),
+        sampling=sampling_from_config(cfg.engine, stop_ids),
         schedule=Schedule(
             batch_size=cfg.trainer.batch_size,
             group_size=cfg.actor.group_size,

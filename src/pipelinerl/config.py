@@ -44,6 +44,9 @@ class TaskConfig(_Section):
     # (`tasks.split`). Training, the warm-start included, never draws them; evaluation draws
     # only them. 0: no held-out part (and no evaluation).
     heldout_frac: float = Field(default=0.1, ge=0.0, lt=1.0)
+    # Prompts through the tokenizer's chat template: None = when the tokenizer has one.
+    chat_template: bool | None = None
+    system_prompt: str = ""  # the template's system message (needs a chat template)
 
 
 class EngineConfig(_Section):

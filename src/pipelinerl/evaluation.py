@@ -201,17 +201,15 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     an engine with the model at `model_path`, as the config asks."""
     from pipelinerl.actor import sampling_from_config
     from pipelinerl.engine import make_engine
-    from pipelinerl.models.hf import encode_prompt, load_tokenizer
+    from pipelinerl.models.prompts import prompt_format
     from pipelinerl.tasks import heldout_problems, make_task
 
     task: Task = make_task(cfg.task.name, cfg.task.params)
     problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
-    tokenizer = load_tokenizer(model_path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer at {model_path} has no eos token: the engine needs a stop token")
-    base = sampling_from_config(cfg.engine, (tokenizer.eos_token_id,))
+    encode, stop_ids, tokenizer = prompt_format(cfg, model_path)
+    base = sampling_from_config(cfg.engine, stop_ids)
     problems, prompt_ids = fitting_problems(
-        problems, lambda text: encode_prompt(tokenizer, text),
+        problems, encode,
         cfg.engine.max_seq_len - cfg.engine.max_new_tokens)
     engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
                                                "device": eval_device(cfg)})

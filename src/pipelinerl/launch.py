@@ -348,11 +348,14 @@ def check_task(cfg: Config) -> None:
 
 def check_model(cfg: Config) -> None:
     """Refuse, before any role starts, a model that the actor's engine would refuse later
-    (an unsupported family, or a feature the torch engine lacks)."""
+    (an unsupported family, or a feature the torch engine lacks), or whose tokenizer cannot
+    format the prompts as asked (no chat template, no EOS token)."""
     from pipelinerl.models.hf import check_engine_model
+    from pipelinerl.models.prompts import prompt_format
 
     try:
         check_engine_model(cfg.model.path, cfg.engine.backend, cfg.engine.max_seq_len)
+        prompt_format(cfg, cfg.model.path)
     except ValueError as e:
         raise SystemExit(f"model.path={cfg.model.path}: {e}") from e
 

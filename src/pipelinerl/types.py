@@ -70,6 +70,9 @@ class Group:
     actor_stats: dict[str, float] = field(default_factory=dict)
     attempt: int = 0  # the run's attempt whose actor made it (see Config.attempt)
     seq: int = 0  # groups its actor had published, this one included: the admission count
+    # Where its actor's draws resume after a restart: the task position (tasks.dataset) of its
+    # oldest problem not yet published; None for tasks without positions.
+    data_pos: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,4 +88,5 @@ class Group:
             actor_stats=d.get("actor_stats", {}),
             attempt=d.get("attempt", 0),
             seq=d.get("seq", 0),
+            data_pos=d.get("data_pos"),
         )

@@ -18,6 +18,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 # One list for engines and trainer: the families the torch engine computes exactly as
@@ -79,12 +80,28 @@ def load_model(
     return model.to(device).eval()
 
 
+_PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    config = path / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a local directory. A tokenizer without a pad token gets its
     EOS as pad: batching needs a pad id, and padded positions are masked anyway."""
     p = _check_dir(path)
+    # A plain `tokenizers` tokenizer (the char tokenizers built here, any hand-built one) is
+    # loaded as saved: AutoTokenizer would pick the model family's class from config.json
+    # (Qwen2Tokenizer for a qwen2 model), whose own pre-tokenizer drops spaces and newlines.
+    loader = (PreTrainedTokenizerFast if _tokenizer_class(p) in _PLAIN_TOKENIZER_CLASSES
+              else AutoTokenizer)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        tokenizer = loader.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise ModelPathError(f"could not load a tokenizer from {str(p)!r}: {e}") from e
     if tokenizer.pad_token is None:

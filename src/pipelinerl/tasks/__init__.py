@@ -5,21 +5,21 @@ PYTHONPATH or installed). docs/tasks.md has the protocol."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
 import random
-import sys
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from pipelinerl.plugins import import_object
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 from pipelinerl.tasks.base import Problem, Score, Task
+from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.math import MathTask
 from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
 TASKS: dict[str, type] = {
     "arithmetic": ChainArithmeticTask,
+    "dataset": DatasetTask,
     "math": MathTask,
 }
 
@@ -62,30 +62,10 @@ def task_class(name: str) -> Any:
 
 
 def _import_path(name: str) -> Any:
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"task {name!r}: an import path is 'module:Class' (e.g. my_tasks:Reverse)")
-    # Console scripts do not put the working directory on sys.path; `python -m` does. Both
-    # should find a user's module sitting beside their config.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module_name.startswith(e.name):
-            raise ValueError(f"task {name!r}: no module named {e.name!r} (looked in the working "
-                             f"directory {os.getcwd()}, PYTHONPATH and installed packages)") from e
-        raise ValueError(f"task {name!r}: importing module {module_name!r} failed: {e}") from e
-    except Exception as e:  # noqa: BLE001 - a user's module may raise anything at import
-        raise ValueError(f"task {name!r}: importing module {module_name!r} raised "
-                         f"{type(e).__name__}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"task {name!r}: {obj.__name__ if hasattr(obj, '__name__') else obj!r} "
-                             f"has no attribute {part!r}")
-        obj = getattr(obj, part)
+    obj = import_object(name, f"task {name!r}")
     if not callable(obj):
-        raise ValueError(f"task {name!r}: {attr!r} is a {type(obj).__name__}, not a class")
+        raise ValueError(f"task {name!r}: {name.partition(':')[2]!r} is a {type(obj).__name__}, "
+                         "not a class")
     return obj
 
 
@@ -128,14 +108,18 @@ def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
 
 
 def make_train_task(name: str, params: dict[str, Any] | None, heldout_frac: float) -> Task:
-    """The task as training sees it: without its held-out part (`tasks.split`)."""
+    """The task as training sees it: without its held-out part (`tasks.split`; a dataset
+    with a test split holds it apart itself)."""
     task = make_task(name, params)
-    return TrainSplit(task, heldout_frac) if heldout_frac > 0 else task
+    if heldout_frac > 0 and not getattr(task, "has_test_split", False):
+        return TrainSplit(task, heldout_frac)
+    return task
 
 
 __all__ = [
     "TASKS",
     "ChainArithmeticTask",
+    "DatasetTask",
     "DemonstrationTask",
     "MathTask",
     "Problem",

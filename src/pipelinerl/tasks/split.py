@@ -66,6 +66,8 @@ class TrainSplit:
 def heldout_problems(task: Task, n: int, seed: int, heldout_frac: float) -> list[Problem]:
     """`n` problems drawn i.i.d. from the task's held-out part (repeats possible, as in the
     task's own distribution), the same for every process given the same seed."""
+    if hasattr(task, "heldout_problems"):  # a task that holds its own (a dataset's test split)
+        return task.heldout_problems(n, seed, heldout_frac)
     if heldout_frac <= 0:
         raise ValueError("task.heldout_frac is 0: the task has no held-out problems to evaluate")
     rng = random.Random(f"heldout-{seed}")
