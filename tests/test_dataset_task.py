@@ -24,10 +24,8 @@ REWARDS = '''
 from pipelinerl.tasks import Score
 
 def closeness(prompt, completion, answer):
-    try:
-        return 1.0 / (1 + abs(int(completion) - int(answer)))
-    except ValueError:
-        return 0.0
+    digits = "".join(c for c in completion if c.isdigit())
+    return 1.0 / (1 + abs(int(digits) - int(answer))) if digits else 0.0
 
 def as_score(prompt, completion, answer):
     return Score(0.5, completion == answer)
@@ -227,19 +225,22 @@ def test_an_actor_publishes_its_data_position_and_its_successor_continues_there(
 
 @pytest.mark.slow
 def test_a_dataset_with_a_user_reward_trains_and_evaluates_through_the_cli(tmp_path: Path) -> None:
-    """The lighter path of a user's own task: their data and a reward function, a model
-    directory, `pipelinerl train`; the evaluator reads the test split."""
+    """The lighter path of a user's own task: their data and a reward function, an instruct
+    model directory (chat template, two EOS ids), `pipelinerl train`; the evaluator reads the
+    test split."""
     import subprocess
 
+    from test_prompts import instruct_tokenizer
+
     from pipelinerl.config import load_config
-    from pipelinerl.models.tiny import build_char_tokenizer, build_tiny_model
+    from pipelinerl.models.hf import load_tokenizer
     from pipelinerl.roles import open_rollout_reader
 
     (tmp_path / "data").mkdir()
     _jsonl(tmp_path / "data" / "train.jsonl", ROWS[:24])
     _jsonl(tmp_path / "data" / "test.jsonl", ROWS[24:])
     (tmp_path / "user_rewards.py").write_text(REWARDS)
-    model = build_tiny_model(tmp_path / "model", build_char_tokenizer("0123456789+=", tmp_path / "tok"))
+    model = instruct_tokenizer(tmp_path / "model")
     example = Path(__file__).resolve().parent.parent / "examples" / "arithmetic.yaml"
     proc = subprocess.run(
         [sys.executable, "-m", "pipelinerl.cli", "train", str(example), "name=ds",
@@ -263,3 +264,9 @@ def test_a_dataset_with_a_user_reward_trains_and_evaluates_through_the_cli(tmp_p
     assert all(isinstance(g["data_pos"], int) for g in groups)
     rewards = {s["reward"] for g in groups for s in g["samples"]}
     assert any(0 < r < 1 for r in rewards)  # the user's closeness reward, not exact match
+    tokenizer = load_tokenizer(model)
+    sample = groups[0]["samples"][0]
+    assert tokenizer.decode(sample["prompt_ids"]) == (
+        f"<|im_start|>user\n{groups[0]['prompt']}<|im_end|>\n<|im_start|>assistant\n")
+    ends = {s["token_ids"][-1] for g in groups for s in g["samples"] if s["finish_reason"] == "stop"}
+    assert ends <= {0, 2}  # <|endoftext|> or <|im_end|>

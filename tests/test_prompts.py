@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +25,14 @@ TEMPLATE = (
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def instruct_tokenizer(out: Path, template: bool = True) -> Path:
-    """A char-level tokenizer with Qwen's special tokens (and template), saved with a tiny
-    model's config and a generation config whose EOS ids are <|im_end|> and <|endoftext|>."""
-    from pipelinerl.models.tiny import build_tiny_model
+def instruct_tokenizer(out: Path, template: bool = True, arch: str = "qwen2") -> Path:
+    """A tiny `arch` model directory whose char-level tokenizer has Qwen's special tokens (and
+    chat template), with a generation config whose EOS ids are <|im_end|> and <|endoftext|>."""
+    from tiny_models import tiny_hf_model
 
-    chars = sorted(set("0123456789+=abcdefghijklmnopqrstuvwxyz \n|<>_"))
+    from pipelinerl.models.hf import save_model
+
+    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
     vocab = {t: i for i, t in enumerate([*SPECIAL, *chars])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -39,7 +42,9 @@ def instruct_tokenizer(out: Path, template: bool = True) -> Path:
                                         pad_token="<|endoftext|>")
     if template:
         tokenizer.chat_template = TEMPLATE
-    build_tiny_model(out, tokenizer)
+    model = tiny_hf_model(arch, vocab_size=len(vocab), max_position_embeddings=1024,
+                          eos_token_id=0, bos_token_id=None, pad_token_id=0)
+    save_model(model, tokenizer, out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     return out
 

@@ -266,3 +266,80 @@ def test_math_bad_verifier_spec(tmp_path) -> None:
     data = _write(tmp_path / "d.jsonl", ['{"problem": "p", "answer": "7"}'])
     with pytest.raises(ValueError, match="module:function"):
         MathTask(str(data), verifier="no_colon")
+
+
+# ---- countdown ----------------------------------------------------------------------------
+
+
+def _countdown(numbers: list[int], target: int) -> Problem:
+    return Problem("c", "", {"numbers": numbers, "target": target, "solution": ""})
+
+
+@pytest.mark.parametrize(
+    "completion, ok",
+    [
+        ("(3+5)*2", True),
+        ("2*(5+3)", True),
+        ("6/4*8+4", False),   # 16, with numbers not given
+        ("5*2+3+3", False),   # 3 used twice
+        ("8+8", False),       # 8 not given
+        ("3+5", False),       # 8, not 16
+        ("<answer>3+5</answer> then <answer>(3+5)*2</answer>", True),  # the last tag
+        ("thinking...\n(3+5)*2\n", True),  # the last line
+        ("__import__('os').system('true')", False),
+        ("(3).__class__", False),
+        ("2**4", False),
+        ("16.0", False),
+        ("-(-16)", False),
+        ("5/(3-3)", False),
+        ("(" * 150 + "16" + ")" * 150, False),
+        ("", False),
+    ],
+)
+def test_countdown_verifier(completion: str, ok: bool) -> None:
+    task = make_task("countdown", {})
+    assert task.score(_countdown([3, 5, 2, 6], 16), completion).success is ok
+
+
+def test_countdown_fractions_are_exact_and_use_all_counts_every_number() -> None:
+    task = make_task("countdown", {})
+    assert task.score(_countdown([6, 4, 8], 12), "6/4*8").success  # 1.5 * 8, exactly
+    strict = make_task("countdown", {"use_all": True})
+    assert not strict.score(_countdown([6, 4, 8, 1], 12), "6/4*8").success
+    assert strict.score(_countdown([6, 4, 8, 1], 12), "6/4*8*1").success
+
+
+def test_countdown_problems_are_solvable_in_range_and_reproducible() -> None:
+    task = make_task("countdown", {"min_numbers": 3, "max_numbers": 4, "max_number": 20,
+                                   "max_target": 100, "use_all": True})
+    rng = random.Random(0)
+    problems = [task.sample_problem(rng) for _ in range(500)]
+    for p in problems:
+        numbers, target = p.answer["numbers"], p.answer["target"]
+        assert 3 <= len(numbers) <= 4 and all(1 <= n <= 20 for n in numbers)
+        assert 1 <= target <= 100 and set(p.prompt) <= set(task.alphabet)
+        demo = task.demonstration(p, rng, 0.0)
+        assert task.score(p, demo).success, (p, demo)
+        assert sorted(int(n) for n in re.findall(r"\d+", demo)) == sorted(numbers)  # use_all
+    again = [task.sample_problem(random.Random(0)) for _ in range(1)]
+    assert again[0] == problems[0]
+    noisy = [task.score(p, task.demonstration(p, rng, 0.5)).success for p in problems]
+    assert 0.05 < sum(noisy) / len(noisy) < 0.6
+
+
+def test_countdown_instruct_style_asks_for_a_tagged_answer() -> None:
+    task = make_task("countdown", {"style": "instruct"})
+    problem = task.sample_problem(random.Random(1))
+    assert "<answer></answer>" in problem.prompt and str(problem.answer["target"]) in problem.prompt
+    demo = task.demonstration(problem, random.Random(1), 0.0)
+    assert demo.startswith("<answer>") and task.score(problem, demo).success
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [({"min_numbers": 1}, "min_numbers"), ({"max_numbers": 2, "min_numbers": 3}, "min_numbers"),
+     ({"ops": "+^"}, "ops"), ({"style": "chat"}, "style"), ({"max_target": 0}, "max_target")],
+)
+def test_countdown_bad_params(params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_task("countdown", params)

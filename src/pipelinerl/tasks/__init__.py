@@ -13,12 +13,14 @@ from typing import Any, Protocol
 from pipelinerl.plugins import import_object
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 from pipelinerl.tasks.base import Problem, Score, Task
+from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.math import MathTask
 from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
 TASKS: dict[str, type] = {
     "arithmetic": ChainArithmeticTask,
+    "countdown": CountdownTask,
     "dataset": DatasetTask,
     "math": MathTask,
 }
@@ -119,6 +121,7 @@ def make_train_task(name: str, params: dict[str, Any] | None, heldout_frac: floa
 __all__ = [
     "TASKS",
     "ChainArithmeticTask",
+    "CountdownTask",
     "DatasetTask",
     "DemonstrationTask",
     "MathTask",
