@@ -79,7 +79,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
     tmp = root / f".{final.name}.tmp"
     try:
         tmp.mkdir()
-        getattr(model, "module", model).save_pretrained(str(tmp / "model"))
+        _save_model(model, tmp)
         tokenizer.save_pretrained(str(tmp / "model"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": rng_states()}, tmp / "trainer.pt")
@@ -97,21 +97,38 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
     return final
 
 
+def _save_model(model: torch.nn.Module, out: Path) -> None:
+    """`out/model` in Hugging Face layout; with LoRA, the merged model there and the adapter
+    alone in `out/adapter` (what a resume loads)."""
+    from pipelinerl.models.lora import ADAPTER_DIR, is_lora, merged_model, save_adapter
+
+    target = getattr(model, "module", model)
+    if is_lora(target):
+        save_adapter(target, out / ADAPTER_DIR)
+        target = merged_model(target)
+    target.save_pretrained(str(out / "model"))
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any) -> dict[str, Any]:
     """Restore weights, optimizer, lr schedule and RNG from `path`; returns its state.json."""
     from safetensors.torch import load_file
 
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted((path / "model").glob("*.safetensors")):
-        weights.update(load_file(shard))
+    from pipelinerl.models.lora import ADAPTER_DIR, is_lora, load_adapter
+
     target = getattr(model, "module", model)
-    missing, unexpected = target.load_state_dict(weights, strict=False)
-    # Tied weights are stored once (lm_head = embed_tokens): only those may be missing.
-    tied = set(getattr(target, "_tied_weights_keys", None) or [])
-    if unexpected or any(k not in tied for k in missing):
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, "
-                         f"unexpected {unexpected}")
+    if is_lora(target):  # the base weights are the starting model's, frozen
+        load_adapter(target, path / ADAPTER_DIR)
+    else:
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted((path / "model").glob("*.safetensors")):
+            weights.update(load_file(shard))
+        missing, unexpected = target.load_state_dict(weights, strict=False)
+        # Tied weights are stored once (lm_head = embed_tokens): only those may be missing.
+        tied = set(getattr(target, "_tied_weights_keys", None) or [])
+        if unexpected or any(k not in tied for k in missing):
+            raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, "
+                             f"unexpected {unexpected}")
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])

@@ -16,11 +16,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSettings(_Section):
+    """Low-rank adapters (peft): the trainer trains these only; the engines get merged weights."""
+
+    rank: int = Field(default=8, gt=0)
+    alpha: float = Field(default=16.0, gt=0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                 "down_proj"])
+    # Dropout makes the trainer's forward differ from the engine's: 0 keeps them equal.
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+
 class ModelConfig(_Section):
     # A local Hugging Face directory (Llama, Mistral, Qwen2, Qwen3). Empty: build a tiny model
     # for the task and warm-start it (see `warmstart`).
     path: str = ""
     preset: Literal["tiny", "small"] = "tiny"
+    lora: LoraSettings | None = None  # None: full fine-tuning
 
 
 class WarmStartConfig(_Section):

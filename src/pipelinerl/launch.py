@@ -62,7 +62,7 @@ def new_run_id() -> str:
 
 # What a resumed run may not change (docs/reliability.md): the model, the task and the shape of
 # the batches its checkpoint, streams and admission counts were made for.
-RESUME_FIXED = ("model.path", "model.preset", "task", "mode", "conventional_g",
+RESUME_FIXED = ("model.path", "model.preset", "model.lora", "task", "mode", "conventional_g",
                 "trainer.batch_size", "actor.group_size", "actor.num_actors", "stream.backend")
 
 
@@ -356,6 +356,10 @@ def check_model(cfg: Config) -> None:
     try:
         check_engine_model(cfg.model.path, cfg.engine.backend, cfg.engine.max_seq_len)
         prompt_format(cfg, cfg.model.path)
+        if cfg.model.lora is not None:
+            from pipelinerl.models.lora import check_targets
+
+            check_targets(cfg.model.path, cfg.model.lora)
     except ValueError as e:
         raise SystemExit(f"model.path={cfg.model.path}: {e}") from e
 

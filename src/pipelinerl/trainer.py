@@ -197,7 +197,12 @@ def _validate(group: Group, group_size: int) -> None:
 
 
 def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights by Hugging Face name (unwrapping DistributedDataParallel's `module.`)."""
+    """Weights by Hugging Face name (unwrapping DistributedDataParallel's `module.`; with LoRA,
+    the base weights merged with the adapters)."""
+    from pipelinerl.models.lora import is_lora, merged_weights
+
+    if is_lora(model):
+        return merged_weights(model)
     model = getattr(model, "module", model)
     return {name: t.detach() for name, t in model.state_dict().items()}
 
@@ -210,8 +215,10 @@ class Trainer:
         self.source = source
         self.sender = sender
         tc = cfg.trainer
+        # Only what trains (with LoRA: the adapters), so the optimizer state is that small.
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay
+            [p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tc.betas,
+            weight_decay=tc.weight_decay
         )
         self.scheduler = make_scheduler(self.optimizer, tc)
         # The KL penalty's reference: the starting model, frozen; loaded only when used.
@@ -471,6 +478,10 @@ def run_trainer(cfg: Config) -> None:
                                resume_step=resume_step, attempt=cfg.attempt)
         audit = open_run_jsonl(run_dir / "trained.jsonl", resume_step, cfg.attempt)
     model = load_model(cfg.model.path, dtype=torch.float32, device=device)
+    if cfg.model.lora is not None:
+        from pipelinerl.models.lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora)
     model.train()
     wrapped: torch.nn.Module = model
     if world > 1:
@@ -568,10 +579,16 @@ def run_trainer(cfg: Config) -> None:
 
 
 def _save_final(cfg: Config, model: torch.nn.Module) -> None:
-    """The trained model as `final/` (atomically)."""
+    """The trained model as `final/` (atomically); with LoRA, merged, and the adapter alone
+    as `final_adapter/`."""
     from pipelinerl.models.hf import load_tokenizer, save_model
+    from pipelinerl.models.lora import is_lora, merged_model, save_adapter
 
-    final = save_model(model, load_tokenizer(cfg.model.path), cfg.run_dir / "final")
+    tokenizer = load_tokenizer(cfg.model.path)
+    if is_lora(model):
+        save_adapter(model, cfg.run_dir / "final_adapter")
+        model = merged_model(model)
+    final = save_model(model, tokenizer, cfg.run_dir / "final")
     log.info("saved final weights to %s", final)
 
 
