@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -46,7 +46,12 @@ class Samples:
     rss_mb: dict[str, list[float]] = field(default_factory=dict)  # role -> one per sample
     run_mb: list[float] = field(default_factory=list)
     streams_mb: list[float] = field(default_factory=list)
-    checkpoint_at: float | None = None  # when the first checkpoint appeared
+    logs_mb: list[float] = field(default_factory=list)  # metrics.jsonl + trained.jsonl: kept
+    checkpoints_at: list[float] = field(default_factory=list)  # when each checkpoint appeared
+
+    @property
+    def checkpoint_at(self) -> float | None:
+        return self.checkpoints_at[0] if self.checkpoints_at else None
 
 
 def role_of(proc: psutil.Process) -> str | None:
@@ -96,6 +101,13 @@ def tree_mb(path: Path) -> float:
     return total / 2**20
 
 
+def file_mb(path: Path) -> float:
+    try:
+        return path.stat().st_size / 2**20
+    except OSError:
+        return 0.0
+
+
 def last_step(metrics: Path) -> int:
     try:
         with metrics.open("rb") as f:
@@ -122,6 +134,7 @@ def soak(args: argparse.Namespace) -> tuple[Samples, Path]:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     launcher = psutil.Process(proc.pid)
     s = Samples()
+    seen_checkpoint = None
     t0 = time.monotonic()
     while proc.poll() is None:
         time.sleep(args.every_s)
@@ -136,8 +149,11 @@ def soak(args: argparse.Namespace) -> tuple[Samples, Path]:
             values.extend([float("nan")] * (len(s.t) - len(values)))
         s.run_mb.append(tree_mb(run_dir))
         s.streams_mb.append(tree_mb(run_dir / "streams"))
-        if s.checkpoint_at is None and any((run_dir / "checkpoints").glob("step_*")):
-            s.checkpoint_at = s.t[-1]
+        s.logs_mb.append(sum(file_mb(run_dir / name) for name in ("metrics.jsonl", "trained.jsonl")))
+        newest = max((c.name for c in (run_dir / "checkpoints").glob("step_*")), default=None)
+        if newest is not None and newest != seen_checkpoint:
+            seen_checkpoint = newest
+            s.checkpoints_at.append(s.t[-1])
     if proc.returncode != 0:
         raise SystemExit(f"the run failed with exit code {proc.returncode}; see {run_dir}/logs")
     return s, run_dir
@@ -154,7 +170,15 @@ def growth(values: list[float], i: int) -> tuple[float, float, float]:
     """(after warm-up, at the end, growth: the mean of the last tenth over warm-up's)."""
     tail = [v for v in values[max(i, len(values) - max(1, len(values) // 10)):] if v == v]
     start, end = values[i], sum(tail) / len(tail)
-    return start, values[-1], end / start - 1.0
+    return start, [v for v in values if v == v][-1], end / start - 1.0
+
+
+def interval_peaks(s: Samples, values: list[float]) -> list[float]:
+    """The largest value between each two checkpoints (from the first on): a directory that
+    checkpoints trim saws up and down; bounded means these peaks do not climb."""
+    edges = [*s.checkpoints_at, s.t[-1] + 1]
+    return [max((v for t, v in zip(s.t, values) if lo <= t < hi), default=float("nan"))
+            for lo, hi in zip(edges, edges[1:])]
 
 
 def report(s: Samples, run_dir: Path, load: tuple[float, float, float], quick: bool) -> str:
@@ -165,8 +189,13 @@ def report(s: Samples, run_dir: Path, load: tuple[float, float, float], quick: b
         verdict = "ok" if g < MAX_GROWTH else "FAIL"
         rows.append(f"| {role} | {start:.0f} | {end:.0f} | {max(v for v in s.rss_mb[role] if v == v):.0f} "
                     f"| {100 * g:+.1f}% | {verdict} |")
-    d_start, d_end, d_g = growth(s.run_mb, i)
-    st_start, st_end, st_g = growth(s.streams_mb, i)
+    run_peaks, stream_peaks = interval_peaks(s, s.run_mb), interval_peaks(s, s.streams_mb)
+    # The last interval is cut short by the run's end: the full ones decide, the later half's
+    # highest peak against the earlier half's.
+    full = stream_peaks[:-1] if len(stream_peaks) > 2 else stream_peaks
+    half = max(1, len(full) // 2)
+    climb = max(full[half:] or full) / max(full[:half]) - 1.0 if full else float("nan")
+    per_hour = (s.logs_mb[-1] - s.logs_mb[i]) / ((s.t[-1] - s.t[i]) / 3600)
     lines = [
         "## Soak: memory and disk over a long demo run",
         "",
@@ -182,10 +211,22 @@ def report(s: Samples, run_dir: Path, load: tuple[float, float, float], quick: b
         "| --- | --- | --- | --- | --- | --- |",
         *rows,
         "",
-        "| run directory | after warm-up (MB) | at end (MB) | max (MB) | growth |",
-        "| --- | --- | --- | --- | --- |",
-        f"| all | {d_start:.1f} | {d_end:.1f} | {max(s.run_mb):.1f} | {100 * d_g:+.1f}% |",
-        f"| streams | {st_start:.1f} | {st_end:.1f} | {max(s.streams_mb):.1f} | {100 * st_g:+.1f}% |",
+        f"Disk: the streams grow between checkpoints and drop at each (segments before the "
+        f"checkpoint's offsets are deleted), so the run directory saws up and down. Peak per "
+        f"interval between checkpoints ({len(s.checkpoints_at)} checkpoints; the last interval "
+        "is cut short by the end):",
+        "",
+        "| | " + " | ".join(f"{k + 1}" for k in range(len(run_peaks))) + " |",
+        "| --- |" + " --- |" * len(run_peaks),
+        "| run directory (MB) | " + " | ".join(f"{v:.1f}" for v in run_peaks) + " |",
+        "| streams (MB) | " + " | ".join(f"{v:.1f}" for v in stream_peaks) + " |",
+        "",
+        f"- streams: the highest peak of the later half of the full intervals is "
+        f"{100 * climb:+.0f}% over the earlier half's "
+        f"({'bounded' if climb < 0.25 else 'CLIMBING'}); {s.streams_mb[-1]:.1f} MB at the end, "
+        f"{max(s.streams_mb):.1f} MB at most",
+        f"- what grows without bound by design: metrics.jsonl and trained.jsonl, "
+        f"{s.logs_mb[-1]:.1f} MB at the end ({per_hour:.1f} MB per hour of this demo)",
         "",
         "Plot: benchmarks/soak.png (RSS per role and the run directory's size against time).",
     ]
@@ -228,6 +269,7 @@ def main() -> None:
                           *args.overrides]
     load = load_average()
     s, run_dir = soak(args)
+    (args.out / "soak_samples.json").write_text(json.dumps(asdict(s)))  # the raw figures
     text = report(s, run_dir, load, args.quick)
     print(text)
     plot(s, args.out / "soak.png" if args.quick else BENCH / "soak.png")
