@@ -47,8 +47,10 @@ def _check_run(run_dir: Path, model: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_an_instruct_model_trains_on_countdown(tmp_path: Path, arch: str) -> None:
+def test_an_instruct_model_trains_on_countdown(tmp_path: Path) -> None:
+    # Llama here; a Qwen2 instruct model runs the same path in
+    # tests/test_dataset_task.py::test_a_dataset_with_a_user_reward_trains_and_evaluates_through_the_cli.
+    arch = "llama"
     model = instruct_tokenizer(tmp_path / "model", arch=arch)
     run_dir = _train(tmp_path, "countdown.yaml", f"countdown-{arch}", f"model.path={model}",
                      "task.params.style=instruct")
