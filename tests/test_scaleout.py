@@ -32,7 +32,11 @@ def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_pat
     cfg = load_config(EXAMPLE, [
         "name=scaleout", f"output_dir={tmp_path / 'runs'}",
         f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false",
-        "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
+        # Places are global (pipelinerl.admission): with max_lag 4 the first 20 places, a whole
+        # 5-step run, could all go to whichever actor started first. max_lag 1 and room for two
+        # groups per actor leave 8 places at version 0 and 4 per step after, more than one
+        # actor can hold at once: both must contribute.
+        "engine.capacity=8", "actor.group_size=4", "trainer.batch_size=16", "actor.max_lag=1",
         "trainer.max_steps=5", "trainer.num_procs=2", "actor.num_actors=2",
         "stream.backend=redis", f"stream.redis_url={redis_server.url}",
         "metrics.progress=false",
