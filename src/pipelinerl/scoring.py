@@ -9,9 +9,11 @@ process dies counts as `verifier_crash`. A group with any failed attempt is drop
 since its baseline needs every attempt. The task travels to each worker pickled, once, at
 the worker's start.
 
-A worker that dies before pebble saw its task start breaks the whole pool, failing every
-group in it, most of them innocent. Those groups are tried once more, each alone on a pool of
-its own (at most `workers` such pools at a time), so a second failure is the group's own.
+A worker that dies can take innocent groups down with it: before pebble saw its task start,
+the whole pool breaks and fails every group in it; after, pebble may blame the death on
+another task the worker was handed (seen: a raising verifier's group reported as the crash of
+its neighbour). So a group whose verification died, either way, is tried once more, alone on
+a pool of its own (at most `workers` such pools at a time): a second death is its own.
 
 A task whose `score` already runs its verifier in a killable process under its own deadline,
 and is thread-safe, sets `bounds_score_time = True` (the math task does): it is called from
@@ -83,7 +85,7 @@ class _Job:
     completions: list[str]
     futures: list[Future]
     remaining: int  # verifications not yet seen finished
-    retried: bool = False  # already sent again after a pool broke under it
+    retried: bool = False  # already sent again, alone, after a verification died under it
     pool: ProcessPool | None = None  # its own pool, once retried
 
 
@@ -172,7 +174,7 @@ class Scorer:
             job = self._jobs.get(key)
             if job is None or not any(future is f for f in job.futures):
                 continue  # its group already failed, or was sent again
-            if isinstance(future.exception(), BrokenProcessPool) and not job.retried:
+            if isinstance(future.exception(), (BrokenProcessPool, ProcessExpired)) and not job.retried:
                 job.retried = True
                 job.futures = []  # the rest of its failed tasks are ignored as they come
                 self._to_retry.append(key)
@@ -219,7 +221,7 @@ class Scorer:
         if isinstance(exc, TimeoutError):
             return "verifier_timeout"
         if isinstance(exc, BrokenProcessPool):
-            return "verifier_crash"  # its own pool broke too
+            return "verifier_crash"  # alone on its own pool, it broke that too
         if isinstance(exc, ProcessExpired):
             log.warning("verifier process of task %s died on problem %s (exit code %s)",
                         self.task.name, job.problem.problem_id, exc.exitcode)
