@@ -212,8 +212,8 @@ def test_a_trainer_waiting_for_groups_tells_a_blocked_actor_from_a_dead_one(
     source._pull()
     clock[0] += 45.0  # actor 1's group came 45 s ago, and nothing since
     with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
-        w.write({"heartbeat": True, "actor_id": 0, "version": 3, "in_flight": 0,
-                 "places_used": 24, "waiting_for_weights": False, "blocked": True})
+        w.write({"heartbeat": True, "actor_id": 0, "version": 3, "in_flight": 0, "claimed": 24,
+                 "limit": 24, "waiting_for_weights": False, "blocked": True})
     source._pull()
     assert len(source.buffer) == 1  # a heartbeat is no group
     report = source.actors_report(step=9)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from pipelinerl.models.lora import ADAPTER_DIR, is_lora, load_adapter, to_save
+
 log = logging.getLogger(__name__)
 
 DIR = "checkpoints"
@@ -79,7 +81,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
     tmp = root / f".{final.name}.tmp"
     try:
         tmp.mkdir()
-        _save_model(model, tmp)
+        # Hugging Face layout; with LoRA the merged model, and the adapter a resume loads.
+        to_save(model, tmp / ADAPTER_DIR).save_pretrained(str(tmp / "model"))
         tokenizer.save_pretrained(str(tmp / "model"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": rng_states()}, tmp / "trainer.pt")
@@ -97,24 +100,10 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
     return final
 
 
-def _save_model(model: torch.nn.Module, out: Path) -> None:
-    """`out/model` in Hugging Face layout; with LoRA, the merged model there and the adapter
-    alone in `out/adapter` (what a resume loads)."""
-    from pipelinerl.models.lora import ADAPTER_DIR, is_lora, merged_model, save_adapter
-
-    target = getattr(model, "module", model)
-    if is_lora(target):
-        save_adapter(target, out / ADAPTER_DIR)
-        target = merged_model(target)
-    target.save_pretrained(str(out / "model"))
-
-
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any) -> dict[str, Any]:
     """Restore weights, optimizer, lr schedule and RNG from `path`; returns its state.json."""
     from safetensors.torch import load_file
-
-    from pipelinerl.models.lora import ADAPTER_DIR, is_lora, load_adapter
 
     target = getattr(model, "module", model)
     if is_lora(target):  # the base weights are the starting model's, frozen

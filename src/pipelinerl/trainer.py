@@ -168,9 +168,9 @@ class BatchSource:
                 parts.append(f"actor {actor}: alive, waiting for the trainer's weights")
             elif beat.get("blocked"):
                 parts.append(f"actor {actor}: alive but blocked by the staleness bound (it holds "
-                             f"weights of version {beat['version']} at trainer step {step}, "
-                             f"{beat['places_used']} places used): the trainer's weights do not "
-                             "reach it, or admission is miscounted")
+                             f"weights of version {beat['version']} at trainer step {step}; its "
+                             f"claim {beat['claimed']}, the run's limit {beat['limit']}): the "
+                             "trainer's weights do not reach it, or admission is miscounted")
             else:
                 parts.append(f"actor {actor}: alive, generating ({beat['in_flight']} sequences "
                              "in flight) but finishing none")
@@ -582,13 +582,10 @@ def _save_final(cfg: Config, model: torch.nn.Module) -> None:
     """The trained model as `final/` (atomically); with LoRA, merged, and the adapter alone
     as `final_adapter/`."""
     from pipelinerl.models.hf import load_tokenizer, save_model
-    from pipelinerl.models.lora import is_lora, merged_model, save_adapter
+    from pipelinerl.models.lora import to_save
 
-    tokenizer = load_tokenizer(cfg.model.path)
-    if is_lora(model):
-        save_adapter(model, cfg.run_dir / "final_adapter")
-        model = merged_model(model)
-    final = save_model(model, tokenizer, cfg.run_dir / "final")
+    final = save_model(to_save(model, cfg.run_dir / "final_adapter"),
+                       load_tokenizer(cfg.model.path), cfg.run_dir / "final")
     log.info("saved final weights to %s", final)
 
 

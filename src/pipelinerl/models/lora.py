@@ -9,6 +9,7 @@ resume loads back.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,9 @@ def check_targets(model_path: str | Path, settings: Any) -> None:
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(getattr(model, "module", model), PeftModel)
+    # Without peft imported no model can be a PeftModel: full fine-tuning never imports it.
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(getattr(model, "module", model), peft.PeftModel)
 
 
 @torch.no_grad()
@@ -77,12 +78,18 @@ def merged_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(getattr(model, "module", model)).merge_and_unload()
 
 
-def save_adapter(model: torch.nn.Module, out_dir: Path) -> None:
-    getattr(model, "module", model).save_pretrained(str(out_dir))
+def to_save(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """The plain HF model to save for `model`: itself, or with LoRA a merged copy, after the
+    adapter alone was written to `adapter_dir` (peft's layout)."""
+    target = getattr(model, "module", model)
+    if not is_lora(target):
+        return target
+    target.save_pretrained(str(adapter_dir))
+    return merged_model(target)
 
 
 def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
-    """Adapter weights saved by `save_adapter` back into `model`'s adapters."""
+    """Adapter weights written by `to_save` back into `model`'s adapters."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl.models.hf import encode_prompt
+from pipelinerl.models.hf import encode_prompt, load_tokenizer
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path) -> tuple[int, ...]:
@@ -65,8 +65,6 @@ def prompt_format(cfg: Any, model_path: str | Path
                   ) -> tuple[PromptEncoder, tuple[int, ...], PreTrainedTokenizerBase]:
     """The run's prompt encoder and stop tokens for the model at `model_path`, and its
     tokenizer (`cfg`: the run's Config)."""
-    from pipelinerl.models.hf import load_tokenizer
-
     tokenizer = load_tokenizer(model_path)
     return (PromptEncoder(tokenizer, cfg.task.chat_template, cfg.task.system_prompt),
             stop_token_ids(tokenizer, model_path), tokenizer)

@@ -73,11 +73,11 @@ def _import_path(name: str) -> Any:
 
 def check_task(task: Any, name: str) -> None:
     """Refuse an object that does not have what the roles call on a task."""
-    missing = [m for m in ("sample_problem", "score") if not callable(getattr(task, m, None))]
-    if missing or not isinstance(getattr(task, "name", None), str):
-        what = [f"method {m}()" for m in missing]
-        if not isinstance(getattr(task, "name", None), str):
-            what.append("a str attribute `name`")
+    what = [f"method {m}()" for m in ("sample_problem", "score")
+            if not callable(getattr(task, m, None))]
+    if not isinstance(getattr(task, "name", None), str):
+        what.append("a str attribute `name`")
+    if what:
         raise ValueError(f"task {name!r}: {type(task).__name__} is not a Task: it lacks "
                          f"{', '.join(what)} (docs/tasks.md)")
 

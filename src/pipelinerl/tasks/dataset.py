@@ -41,8 +41,8 @@ def exact_match(prompt: str, completion: str, answer: Any) -> bool:
     return completion.strip() == str(answer).strip()
 
 
-def load_split(path: Path, split: str) -> Any:
-    """One split of a local dataset as a `datasets.Dataset`."""
+def load_splits(path: Path) -> dict[str, Any]:
+    """A local dataset's splits as `datasets.Dataset`s, read once (a single file: `train`)."""
     import datasets
 
     datasets.disable_progress_bars()  # a bar per load in every role's log says nothing
@@ -64,15 +64,7 @@ def load_split(path: Path, split: str) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - datasets and pyarrow raise many types
         raise ValueError(f"dataset {str(path)!r} could not be read: {type(e).__name__}: {e}") from e
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise ValueError(f"dataset {str(path)!r} has no split {split!r}; it has "
-                             f"{sorted(loaded)}")
-        return loaded[split]
-    if split != "train":
-        raise ValueError(f"dataset {str(path)!r} is a single split (read as 'train'): there is "
-                         f"no split {split!r}")
-    return loaded
+    return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
 
 
 class DatasetTask:
@@ -98,18 +90,24 @@ class DatasetTask:
         self.shuffle_seed = shuffle_seed
         self._reward_fn: Callable[..., Any] | None = self._load_reward()
         self.skipped: Counter[str] = Counter()  # bad rows by reason, over both splits
-        self.train = self._load(split)
-        self.test = self._load(test_split) if test_split else []
+        splits = load_splits(self.path)
+        self.train = self._load(splits, split)
+        self.test = self._load(splits, test_split) if test_split else []
+        if self.skipped:
+            log.warning("dataset %s: skipped %d bad row(s): %s", self.path,
+                        sum(self.skipped.values()), dict(self.skipped))
         self.position = 0  # draws this shard has made
         self._shard = (0, 1)
         self._epoch = -1
         self._order: list[int] = []
 
     # -- data -------------------------------------------------------------------------------
-    def _load(self, split: str) -> list[Problem]:
-        rows = load_split(self.path, split)
+    def _load(self, splits: dict[str, Any], split: str) -> list[Problem]:
+        if split not in splits:
+            raise ValueError(f"dataset {str(self.path)!r} has no split {split!r}; it has "
+                             f"{sorted(splits)}")
         problems: list[Problem] = []
-        for index, row in enumerate(rows):
+        for index, row in enumerate(splits[split]):
             problem, reason = self._problem(split, index, row)
             if problem is not None:
                 problems.append(problem)
@@ -118,9 +116,6 @@ class DatasetTask:
             if sum(self.skipped.values()) <= MAX_ROW_WARNINGS:
                 log.warning("dataset %s, split %s, row %d: skipped (%s)", self.path, split, index,
                             reason)
-        if self.skipped:
-            log.warning("dataset %s: skipped %d bad row(s): %s", self.path,
-                        sum(self.skipped.values()), dict(self.skipped))
         if not problems:
             raise ValueError(f"dataset {str(self.path)!r}, split {split!r}: no usable rows "
                              f"(skipped: {dict(self.skipped) or 'the split is empty'})")
