@@ -324,7 +324,7 @@ def engine_drain(engine: Any) -> None:
     """Drop every running and queued sequence (benchmark helper)."""
     engine._queue.clear()
     if engine._n:
-        engine._release(list(range(engine._n)))
+        engine._free(engine._deactivate(list(range(engine._n))))
 
 
 def check_engine(ctx: Ctx) -> dict[str, Any]:

@@ -18,6 +18,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
     stop_token_ids: tuple[int, ...] = ()
+    # Token sequences that end the sequence too (the turn of a multi-turn rollout: a tool
+    # call's closing tag); the whole sequence is part of the output, as a stop token is.
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -25,6 +28,9 @@ class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Multi-turn: when a turn ends the engine keeps the sequence (and its KV cache) until the
+    # caller `extend`s it with the environment's tokens or `release`s it.
+    hold: bool = False
 
 
 # An actor that published no group for this long writes a heartbeat record on the rollout
@@ -32,9 +38,14 @@ class GenerationRequest:
 HEARTBEAT_S = 10.0
 
 
+# The version of a token the environment wrote (multi-turn rollouts): no policy sampled it.
+ENV_VERSION = -1
+
+
 @dataclass
 class GenerationOutput:
-    """A finished sequence as the engine returns it."""
+    """A finished sequence as the engine returns it; for a held request, one finished turn:
+    `token_ids` are the tokens generated since the prompt or the last `extend`."""
 
     request_id: str
     prompt_ids: list[int]
@@ -57,6 +68,17 @@ class Sample:
     finish_reason: str
     group_id: str = ""
     actor_id: int = 0
+    # Multi-turn rollouts: per token, True if the model sampled it, False if the environment
+    # wrote it (its log-prob is 0.0 and its version ENV_VERSION; it is fed, never trained).
+    # None: every token is the model's.
+    model_mask: list[bool] | None = None
+    turns: int = 1  # model turns
+
+    def model_versions(self) -> list[int]:
+        """The versions of the tokens the model sampled."""
+        if self.model_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.model_mask) if m]
 
 
 @dataclass

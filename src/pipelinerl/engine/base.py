@@ -6,7 +6,7 @@ from typing import Callable, Mapping, Protocol
 
 import torch
 
-from pipelinerl.types import GenerationOutput, GenerationRequest
+from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 # A weight receiver's `receive_into`: copy weights into the given tensors, return the version.
 ReceiveFn = Callable[[Mapping[str, torch.Tensor]], int]
@@ -27,6 +27,16 @@ class Engine(Protocol):
     def capacity(self) -> int: ...
 
     def add_request(self, request: GenerationRequest) -> None: ...
+
+    def extend(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """Continue a held request (`GenerationRequest.hold`) whose turn `step()` returned:
+        append `token_ids` (the environment's reply) and generate the next turn under
+        `params`. Its tokens keep their per-token versions across turns."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """End a held request whose turn `step()` returned: its slot and cache are freed."""
+        ...
 
     def num_active(self) -> int: ...
 

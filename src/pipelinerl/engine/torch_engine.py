@@ -1,9 +1,16 @@
 """The `torch` engine: continuous batching over our hand-written decoder, CPU or CUDA.
 
 Active sequences live packed in cache slots 0..n-1; a finished sequence's slot is refilled by
-moving the last active one into it, so each decode step is one batched forward over exactly the
-active sequences. All per-token state (tokens, log-probs, versions, sampling parameters) sits in
-per-slot tensors on the device; the hot loop touches Python per sequence only when one finishes.
+swapping the last active one into it, so each decode step is one batched forward over exactly
+the active sequences. All per-token state (tokens, log-probs, versions, sampling parameters)
+sits in per-slot tensors on the device; the hot loop touches Python per sequence only when one
+finishes.
+
+Multi-turn (held requests): a sequence whose turn ends is parked in a slot beyond the active
+ones with its KV cache, decoded no more, until `extend` appends the environment's tokens (a
+prefill of only those, attending to the cache) and generation resumes, or `release` frees it.
+A weight update may land while it waits: its cache is then kept, or, with
+`recompute_kv_on_update`, recomputed when it resumes.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class EngineStats:
     decode_steps: int = 0
     prefill_forwards: int = 0
     prefill_tokens: int = 0  # prompt tokens written to the cache (padding excluded)
+    extended_tokens: int = 0  # environment tokens appended to held sequences
     finished_requests: int = 0
     weight_updates: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V were recomputed after weight updates
@@ -101,12 +109,14 @@ class TorchEngine:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._queue: deque[GenerationRequest] = deque()
+        self._extends: deque[tuple[str, list[int], SamplingParams]] = deque()
         # step() and weight updates exclude each other, so an update from another thread lands
         # between two steps.
         self._lock = threading.Lock()
         self._torn = False  # a weight update raised part-way through
 
-        # Slot state. Slots 0..n-1 hold the active sequences, in no particular order.
+        # Slot state. Slots 0..n-1 hold the active sequences, in no particular order; parked
+        # (held, between two turns) and free slots follow.
         self._n = 0
         self._requests: list[GenerationRequest | None] = [None] * capacity
         dev = self.device
@@ -117,11 +127,15 @@ class TorchEngine:
         self._top_k = torch.zeros(capacity, dtype=torch.long, device=dev)
         self._top_p = torch.ones(capacity, dtype=torch.float32, device=dev)
         self._stop_ids = torch.full((capacity, 1), -1, dtype=torch.long, device=dev)  # -1 pads
+        # Stop sequences, right-aligned, -1 on the left matches anything: (capacity, S, W).
+        self._stop_seqs = torch.full((capacity, 0, 0), -1, dtype=torch.long, device=dev)
         # Host-side mirrors drive lengths and length limits without syncing with the device.
         self._len = torch.zeros(capacity, dtype=torch.long)  # tokens in the sequence; the last is not yet in the cache
-        self._prompt_len = torch.zeros(capacity, dtype=torch.long)
+        self._turn_start = torch.zeros(capacity, dtype=torch.long)  # where this turn's generated tokens begin
         self._max_new = torch.zeros(capacity, dtype=torch.long)
         self._truncates = torch.zeros(capacity, dtype=torch.bool)  # uses top-k or top-p
+        self._parked = torch.zeros(capacity, dtype=torch.bool)
+        self._stale = torch.zeros(capacity, dtype=torch.bool)  # parked across a recomputing update
 
     @classmethod
     def from_pretrained(
@@ -154,12 +168,16 @@ class TorchEngine:
         return self._capacity
 
     def num_active(self) -> int:
-        """Requests accepted and not yet returned: running plus queued, so that an actor topping
-        the engine up to `capacity` does not overfill the queue between two steps."""
-        return self._n + len(self._queue)
+        """Requests accepted and not yet returned or released: running, parked and queued, so
+        that an actor topping the engine up to `capacity` does not overfill it."""
+        return self._n + self.num_parked() + len(self._queue)
 
     def num_running(self) -> int:
         return self._n
+
+    def num_parked(self) -> int:
+        """Held sequences between two turns: they keep a slot and decode nothing."""
+        return int(self._parked.sum())
 
     def add_request(self, request: GenerationRequest) -> None:
         p, n = request.params, len(request.prompt_ids)
@@ -180,7 +198,43 @@ class TorchEngine:
         vocab = self.model.config.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise ValueError(f"request {request.request_id!r}: prompt token ids outside [0, {vocab})")
+        if any(not seq for seq in p.stop_sequences):
+            raise ValueError(f"request {request.request_id!r}: an empty stop sequence")
         self._queue.append(request)
+
+    def extend(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """Continue a held request parked after its turn: append `token_ids` (the environment's
+        reply; may be empty) and generate the next turn under `params`, whose
+        `max_new_tokens` counts from here. Runs at the next `step()`."""
+        with self._lock:
+            slot = self._parked_slot(request_id)
+            if any(rid == request_id for rid, _, _ in self._extends):
+                raise ValueError(f"request {request_id!r} is already being extended")
+            vocab = self.model.config.vocab_size
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+                raise ValueError(f"request {request_id!r}: token ids outside [0, {vocab})")
+            needed = int(self._len[slot]) + len(token_ids) + params.max_new_tokens
+            if params.max_new_tokens < 1 or needed > self.max_seq_len:
+                raise ValueError(
+                    f"request {request_id!r}: {int(self._len[slot])} tokens so far + "
+                    f"{len(token_ids)} new + max_new_tokens={params.max_new_tokens} = {needed} "
+                    f"exceeds the engine's max_seq_len={self.max_seq_len} (or max_new_tokens < 1)"
+                )
+            self._extends.append((request_id, list(token_ids), params))
+
+    def release(self, request_id: str) -> None:
+        """Free the slot of a held request parked after its turn (its rollout is over)."""
+        with self._lock:
+            slot = self._parked_slot(request_id)
+            if any(rid == request_id for rid, _, _ in self._extends):
+                raise ValueError(f"request {request_id!r} is being extended")
+            self._free([slot])
+
+    def _parked_slot(self, request_id: str) -> int:
+        for slot in self._parked.nonzero().flatten().tolist():
+            if self._requests[slot].request_id == request_id:
+                return slot
+        raise ValueError(f"request {request_id!r} is not held after a finished turn")
 
     def step(self) -> list[GenerationOutput]:
         """Admit queued requests into free slots (their first token comes from the prefill),
@@ -189,7 +243,11 @@ class TorchEngine:
             if self._torn:
                 raise RuntimeError("a weight update failed part-way: the engine holds a mix of two versions")
             finished: list[GenerationOutput] = []
-            if self._queue and self._n < self._capacity:
+            if self._extends:
+                start = self._n
+                self._resume()
+                finished += self._collect_finished(start)
+            if self._queue and self._n + self.num_parked() < self._capacity:
                 start = self._n
                 self._admit()
                 finished += self._collect_finished(start)
@@ -219,6 +277,8 @@ class TorchEngine:
     def _mark_updated(self, version: int) -> None:
         self.version = version
         self.stats.weight_updates += 1
+        if self.recompute_kv_on_update:
+            self._stale |= self._parked  # recomputed when they resume
         if self.recompute_kv_on_update and self._n:
             with torch.no_grad():
                 # Everything but each sequence's last token (not yet fed) goes back in the cache.
@@ -227,7 +287,10 @@ class TorchEngine:
 
     def _admit(self) -> None:
         start = self._n
-        while self._queue and self._n < self._capacity:
+        free = [s for s in range(start, self._capacity)
+                if self._requests[s] is None][: len(self._queue)]
+        self._bring(free)
+        for _ in free:
             self._place(self._n, self._queue.popleft())
             self._n += 1
         lengths = self._len[start : self._n]
@@ -250,9 +313,62 @@ class TorchEngine:
         if stops:
             self._stop_ids[slot, : len(stops)] = torch.tensor(stops, dtype=torch.long)
         self._len[slot] = n
-        self._prompt_len[slot] = n
+        self._set_turn(slot, p)
+
+    def _set_turn(self, slot: int, p: SamplingParams) -> None:
+        """A turn starts at the slot's current length, generating under `p`."""
+        self._turn_start[slot] = self._len[slot]
         self._max_new[slot] = p.max_new_tokens
         self._truncates[slot] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
+        seqs = p.stop_sequences
+        width = max((len(q) for q in seqs), default=0)
+        if len(seqs) > self._stop_seqs.shape[1] or width > self._stop_seqs.shape[2]:
+            grown = torch.full((self._capacity, max(len(seqs), self._stop_seqs.shape[1]),
+                                max(width, self._stop_seqs.shape[2])), -1, dtype=torch.long,
+                               device=self.device)
+            old = self._stop_seqs
+            grown[:, : old.shape[1], grown.shape[2] - old.shape[2]:] = old
+            self._stop_seqs = grown
+        self._stop_seqs[slot] = -1
+        w = self._stop_seqs.shape[2]
+        for i, q in enumerate(seqs):
+            self._stop_seqs[slot, i, w - len(q):] = torch.tensor(q, dtype=torch.long)
+
+    def _resume(self) -> None:
+        """Start the next turn of the held sequences `extend` asked for: bring them back into
+        the active slots, append the environment's tokens and compute only those (all of the
+        sequence if a weight update asked for recomputed K/V while it waited), then sample
+        the turn's first token."""
+        start = self._n
+        items = list(self._extends)
+        self._extends.clear()
+        self._bring([self._parked_slot(rid) for rid, _, _ in items])
+        feed_from = torch.zeros(len(items), dtype=torch.long)
+        for i, (_, token_ids, params) in enumerate(items):
+            slot = start + i
+            length, k = int(self._len[slot]), len(token_ids)
+            if k:
+                self._tokens[slot, length : length + k] = torch.tensor(token_ids, dtype=torch.long)
+            # The turn's last token was never fed: it goes in with the new ones.
+            feed_from[i] = 0 if self._stale[slot] else length - 1
+            self._len[slot] = length + k
+            self._set_turn(slot, params)
+            self._parked[slot] = self._stale[slot] = False
+            self.stats.extended_tokens += k
+        self._n += len(items)
+        lengths = self._len[start : self._n] - feed_from
+        self._sample_into(start, self._n, self._extend_cache(start, feed_from, lengths))
+
+    def _extend_cache(self, start: int, feed_from: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [feed_from[i], feed_from[i] + lengths[i]) of slots start.. into the
+        cache, whose earlier positions are kept; return the logits at each one's last token."""
+        slots = torch.arange(start, start + len(lengths), device=self.device)
+        width = int(lengths.max())
+        cols = (feed_from[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1).to(self.device)
+        tokens = self._tokens[slots[:, None], cols]
+        self.stats.prefill_forwards += 1
+        return self.model.extend(self._cache, tokens, feed_from.to(self.device),
+                                 lengths.to(self.device), slots)
 
     def _prefill(self, start: int, end: int, lengths: torch.Tensor) -> torch.Tensor:
         """Prefill tokens [0, lengths[i]) of slots start..end-1 in chunks of at most
@@ -298,13 +414,17 @@ class TorchEngine:
         self.stats.generated_tokens += end - start
 
     def _collect_finished(self, start: int) -> list[GenerationOutput]:
-        """Return the sequences among slots start..n-1 whose last token is a stop token or that
-        reached max_new_tokens, and free their slots (one device sync)."""
+        """Return the sequences among slots start..n-1 whose last token is a stop token, that
+        end with a stop sequence or that reached their turn's max_new_tokens; free their slots
+        or, for held requests, park them (one device sync)."""
         n = self._n
         rows = torch.arange(start, n, device=self.device)
         last = self._tokens[rows, (self._len[start:n] - 1).to(self.device)]
-        stopped = (last.unsqueeze(1) == self._stop_ids[start:n]).any(dim=1).cpu()
-        full = self._len[start:n] - self._prompt_len[start:n] >= self._max_new[start:n]
+        stopped = (last.unsqueeze(1) == self._stop_ids[start:n]).any(dim=1)
+        if self._stop_seqs.shape[1]:
+            stopped |= self._ends_with_stop_sequence(start, rows)
+        stopped = stopped.cpu()
+        full = self._len[start:n] - self._turn_start[start:n] >= self._max_new[start:n]
         done = (stopped | full).nonzero().flatten()
         if not len(done):
             return []
@@ -317,7 +437,7 @@ class TorchEngine:
         versions = self._versions[slots, :width].tolist()
         for i, slot in enumerate(slots):
             request = self._requests[slot]
-            lo, hi = int(self._prompt_len[slot]), int(self._len[slot])
+            lo, hi = int(self._turn_start[slot]), int(self._len[slot])
             outputs.append(
                 GenerationOutput(
                     request_id=request.request_id,
@@ -328,30 +448,74 @@ class TorchEngine:
                     finish_reason="stop" if stopped[slot - start] else "length",
                 )
             )
-        self._release(slots)
+        held = [bool(self._requests[slot].hold) for slot in slots]
+        parked = self._deactivate(slots)
+        self._free([s for s, h in zip(parked, held) if not h])
+        self._parked[[s for s, h in zip(parked, held) if h]] = True
         self.stats.finished_requests += len(outputs)
         return outputs
 
-    def _release(self, slots: list[int]) -> None:
-        """Free `slots` and keep the active ones packed at the front by moving the last active
-        sequences into the holes."""
+    def _ends_with_stop_sequence(self, start: int, rows: torch.Tensor) -> torch.Tensor:
+        """Per slot start..n-1: its turn's tokens end with one of its stop sequences."""
+        seqs = self._stop_seqs[start : self._n]  # (m, S, W)
+        width = seqs.shape[2]
+        cols = self._len[start : self._n, None] - width + torch.arange(width)
+        in_turn = (cols >= self._turn_start[start : self._n, None]).to(self.device)
+        tail = self._tokens[rows[:, None], cols.clamp(min=0).to(self.device)]
+        equal = (tail[:, None, :] == seqs) & in_turn[:, None, :]
+        return ((equal | (seqs == -1)).all(-1) & (seqs != -1).any(-1)).any(-1)
+
+    def _slot_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The per-slot tensors (rows indexed by slot): per position, and per slot."""
+        per_position = [self._tokens, self._logprobs, self._versions]
+        per_slot = [self._temperature, self._top_k, self._top_p, self._stop_ids, self._stop_seqs,
+                    self._len, self._turn_start, self._max_new, self._truncates, self._parked,
+                    self._stale]
+        return per_position, per_slot
+
+    def _swap(self, a: list[int], b: list[int]) -> None:
+        """Exchange everything slots a[i] and b[i] hold, cache included (disjoint lists)."""
+        if not a:
+            return
+        length = int(self._len[a + b].max())
+        src, dst = a + b, b + a
+        self._cache.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), length)
+        per_position, per_slot = self._slot_state()
+        for t in per_position:
+            t[dst, :length] = t[src, :length]  # advanced indexing reads a copy first: a swap
+        for t in per_slot:
+            t[dst] = t[src]
+        requests = [self._requests[s] for s in src]
+        for d, r in zip(dst, requests):
+            self._requests[d] = r
+
+    def _deactivate(self, slots: list[int]) -> list[int]:
+        """Take `slots` out of the active ones, keeping those packed at the front by swapping
+        the last active sequences into the holes; return where the taken ones now are."""
         freed = set(slots)
         n_new = self._n - len(freed)
         holes = [s for s in slots if s < n_new]
         movers = [s for s in range(n_new, self._n) if s not in freed]
-        if holes:
-            length = int(self._len[movers].max())
-            src = torch.tensor(movers, device=self.device)
-            dst = torch.tensor(holes, device=self.device)
-            self._cache.move(src, dst, length)
-            for t in (self._tokens, self._logprobs, self._versions):
-                t[dst, :length] = t[src, :length]
-            for t in (self._temperature, self._top_k, self._top_p, self._stop_ids):
-                t[dst] = t[src]
-            for t in (self._len, self._prompt_len, self._max_new, self._truncates):
-                t[holes] = t[movers]
-            for h, m in zip(holes, movers):
-                self._requests[h] = self._requests[m]
-        for s in range(n_new, self._n):
-            self._requests[s] = None
+        self._swap(holes, movers)
         self._n = n_new
+        return [movers[holes.index(s)] if s in holes else s for s in slots]
+
+    def _bring(self, slots: list[int]) -> None:
+        """Move inactive `slots` (parked or free) to n, n+1, ... in order, by swaps."""
+        target = list(range(self._n, self._n + len(slots)))
+        if slots == target:
+            return
+        # One swap at a time: whatever stood at the target moves to where the slot was, and
+        # is followed there if it is wanted later.
+        for i in range(len(slots)):
+            current = slots[i]
+            if current != target[i]:
+                self._swap([current], [target[i]])
+                slots = [current if s == target[i] else s for s in slots]
+
+    def _free(self, slots: list[int]) -> None:
+        for s in slots:
+            self._requests[s] = None
+        self._len[slots] = 0
+        self._parked[slots] = False
+        self._stale[slots] = False

@@ -7,7 +7,9 @@ HF state dict loads directly. Two cached paths serve a continuous-batching engin
 - `prefill` writes whole prompts into chosen cache slots and returns last-position logits;
 - `decode` feeds one token to each of the first `n` slots at its own position. The caller keeps
   its active sequences packed into slots `0..n-1` (`KVCache.move` compacts them), so a decode
-  step costs O(active slots x longest active length), never O(capacity x max_seq_len).
+  step costs O(active slots x longest active length), never O(capacity x max_seq_len);
+- `extend` appends several tokens to sequences already in the cache (a multi-turn rollout's
+  environment reply): only the new tokens are computed, attending to the cached ones.
 """
 
 from __future__ import annotations
@@ -252,6 +254,35 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def extend(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        written: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """New tokens x: [m, T, D] at `positions` [m, T] of `slots`, attending to the cache up
+        to each one's position; only the real (not padding) entries `written` = (rows, cols)
+        are stored. mask: [m, 1, T, L] (True = attend)."""
+        m, t, _ = x.shape
+        q, k = self._project_qk(x, m, t)
+        v = self.v_proj(x).view(m, t, self.num_kv_heads, self.head_dim)
+        q, k = _apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2)), _apply_rope(k, cos.unsqueeze(2), sin.unsqueeze(2))
+        rows, cols = written
+        k_cache[slots[rows], :, positions[rows, cols]] = k[rows, cols]
+        v_cache[slots[rows], :, positions[rows, cols]] = v[rows, cols]
+        length = mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_cache[slots, :, :length], v_cache[slots, :, :length],
+            attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(m, t, -1))
+
     def decode(
         self,
         x: torch.Tensor,
@@ -308,6 +339,10 @@ class DecoderLayer(nn.Module):
 
     def decode(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
         x = x + self.self_attn.decode(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def extend(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
+        x = x + self.self_attn.extend(self.input_layernorm(x), *attn_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -372,6 +407,34 @@ class CausalDecoder(nn.Module):
         for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
             h = layer.prefill(h, cos, sin, k_cache, v_cache, slots)
         last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]
+        return self._logits(last)
+
+    @_no_cudnn_sdpa
+    def extend(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Append right-padded tokens [m, T] (true lengths `lengths`) to cache `slots`, whose
+        positions [0, starts[i]) hold the sequence so far; return the logits [m, V] at each
+        one's last new token. Same result as a `prefill` of the whole sequence, computing only
+        the new tokens."""
+        m, t = input_ids.shape
+        offsets = torch.arange(t, device=input_ids.device)
+        positions = starts[:, None] + offsets
+        real = offsets[None, :] < lengths[:, None]
+        attend_len = int((starts + lengths).max())
+        span = torch.arange(attend_len, device=input_ids.device)
+        mask = (span[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        written = real.nonzero(as_tuple=True)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        for layer, k_cache, v_cache in zip(self.model.layers, cache.k, cache.v):
+            h = layer.extend(h, cos, sin, k_cache, v_cache, slots, positions, written, mask)
+        last = h[torch.arange(m, device=h.device), lengths - 1]
         return self._logits(last)
 
     @_no_cudnn_sdpa
