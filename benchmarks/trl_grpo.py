@@ -256,7 +256,7 @@ def main() -> None:
             )
             trainer.train()
     finally:
-        setup.scorer.close()
+        setup.close()
     print(f"run finished: {cfg.run_dir}", file=sys.stderr)
 
 

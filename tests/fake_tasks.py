@@ -107,3 +107,28 @@ class FirstAttemptTask(AnswerTask):
             self._seen.add(problem.problem_id)
         ok = first and bool(problem.answer)
         return Score(float(ok), ok)
+
+
+class FakeEnv(FakeTask):
+    """An environment (pipelinerl.tasks.environment) over FakeTask's problems: a model turn
+    ending on `stop` gets `reply` back (with `turn_reward`); its respond hangs or raises on the
+    problems it is told to."""
+
+    max_turns = 3
+
+    def __init__(self, stop: str, reply: str = "xy", turn_reward: float = 0.0,
+                 env_hang: frozenset[str] = frozenset(), env_fail: frozenset[str] = frozenset(),
+                 **fake: object) -> None:
+        super().__init__(**fake)  # type: ignore[arg-type]
+        self.turn_stops = (stop,)
+        self.reply, self.turn_reward = reply, turn_reward
+        self.env_hang, self.env_fail = env_hang, env_fail
+
+    def respond(self, problem: Problem, turns: list) -> object:
+        from pipelinerl.tasks.environment import Reply
+
+        if problem.problem_id in self.env_hang:
+            time.sleep(3600)
+        if problem.problem_id in self.env_fail:
+            raise ValueError(f"tool bug on {problem.problem_id}")
+        return Reply(self.reply, reward=self.turn_reward)

@@ -17,11 +17,13 @@ from typing import Any, Callable
 
 from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.engine.base import Engine
+from pipelinerl.tasks.environment import is_environment
+from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.rl.advantages import Truncated, zero_variance
 from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
-from pipelinerl.tasks.base import Problem, Task
+from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.types import (
     HEARTBEAT_S,
     GenerationOutput,
@@ -78,7 +80,8 @@ class _PendingGroup:
 
     problem: Problem
     data_pos: int | None = None  # the task's position before its problem was drawn
-    outputs: list[GenerationOutput] = field(default_factory=list)
+    # Finished attempts: engine outputs, or transcripts of multi-turn rollouts.
+    outputs: list[GenerationOutput | Transcript] = field(default_factory=list)
 
 
 @dataclass
@@ -137,12 +140,17 @@ class Actor:
         returned: Callable[[], int] = lambda: 0,
         predecessor: dict[str, Any] | None = None,
         attempt: int = 0,
+        encode_text: Callable[[str], list[int]] | None = None,
+        env_timeout_s: float = 10.0,
+        env_workers: int = 2,
     ) -> None:
         """`ledger`: the run's admission ledger (None: this actor alone, in memory).
         `returned`: how many published groups the trainer dropped, over every actor (the
         control stream's count). `predecessor`: the newest record an earlier process of this
         actor wrote (its stream's last): this one continues its count and waits for the
-        trainer's current weights before starting anything."""
+        trainer's current weights before starting anything. With an environment (a task with
+        `respond`, pipelinerl.envs) rollouts are multi-turn: `encode_text` tokenises its turn
+        stops and replies, which it computes in `env_workers` processes under `env_timeout_s`."""
         self.engine = engine
         self.task = task
         self.encode = encode
@@ -158,6 +166,12 @@ class Actor:
         self.max_seq_len = max_seq_len
         self.max_prompt_tokens = max_seq_len - sampling.max_new_tokens
         self.scorer = Scorer(task, verifier_timeout_s, verifier_workers)
+        self.rollouts: Rollouts | None = None
+        if is_environment(task):
+            if encode_text is None:
+                raise ValueError(f"task {task.name!r} is an environment: the actor needs encode_text")
+            self.rollouts = Rollouts(task, engine, encode_text, decode, sampling, env_timeout_s,
+                                     env_workers)
         self.drop_zero_variance = drop_zero_variance
         # How the trainer's advantages read rewards (trainer.loss.truncated), so that a group
         # is called zero-variance exactly when its advantages will all be 0.
@@ -197,6 +211,9 @@ class Actor:
                 self.maybe_update_weights()
                 for scored in self.scorer.poll():
                     self.publish(scored)
+                if self.rollouts is not None:
+                    for transcript in self.rollouts.poll():
+                        self.on_rollout_end(transcript)
                 self.fill()
                 self.maybe_heartbeat()
                 if self.in_flight == 0:
@@ -205,11 +222,26 @@ class Actor:
                     self.scorer.wait(0.005)
                     self.stats.idle_s += time.monotonic() - t0
                     continue
+                if self.rollouts is not None and self.rollouts.waiting() == self.in_flight:
+                    # Every rollout waits for its environment: nothing to decode.
+                    t0 = time.monotonic()
+                    self.rollouts.pool.wait(0.005)
+                    self.stats.idle_s += time.monotonic() - t0
+                    continue
                 for out in self.engine.step():
                     self.on_finished(out)
         finally:
             self.scorer.close()
+            if self.rollouts is not None:
+                self.rollouts.close()
             self._log_skips()
+
+    def snapshot(self) -> dict[str, float]:
+        stats = self.stats.snapshot(self.engine.version)
+        if self.rollouts is not None:
+            elapsed = time.monotonic() - self.stats.started_at
+            stats.update(self.rollouts.stats.snapshot(elapsed, self.engine.capacity))
+        return stats
 
     def maybe_heartbeat(self) -> None:
         """When nothing was published for HEARTBEAT_S, say why on the rollout stream, so a
@@ -299,9 +331,12 @@ class Actor:
         self._next_group += 1
         self._groups[group_id] = _PendingGroup(problem, data_pos)
         for i in range(self.group_size):
-            self.engine.add_request(
-                GenerationRequest(f"{group_id}-{i}", list(prompt_ids), self.sampling)
-            )
+            request_id = f"{group_id}-{i}"
+            if self.rollouts is not None:
+                request = self.rollouts.request(request_id, problem, prompt_ids)
+            else:
+                request = GenerationRequest(request_id, list(prompt_ids), self.sampling)
+            self.engine.add_request(request)
         self.in_flight += self.group_size
         return True
 
@@ -323,16 +358,31 @@ class Actor:
                         reason, MAX_SKIPPED_IDS, sorted(ids))
 
     def on_finished(self, out: GenerationOutput) -> None:
-        self.in_flight -= 1
+        """A sequence finished, or, in a multi-turn rollout, a turn."""
         self.stats.generated_tokens += len(out.token_ids)
+        if self.rollouts is None:
+            self.on_rollout_end(out)
+        elif (transcript := self.rollouts.on_turn(out)) is not None:
+            self.on_rollout_end(transcript)
+
+    def on_rollout_end(self, out: GenerationOutput | Transcript) -> None:
+        self.in_flight -= 1
         group_id = out.request_id.rsplit("-", 1)[0]
         pending = self._groups[group_id]
         pending.outputs.append(out)
-        if len(pending.outputs) == self.group_size:
-            # Still in _groups, holding its place, until its scores are in.
-            pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
-            completions = [self.decode(completion_ids(o)) for o in pending.outputs]
-            self.scorer.submit(group_id, pending.problem, completions)
+        if len(pending.outputs) < self.group_size:
+            return
+        failed = [o.finish_reason for o in pending.outputs if o.finish_reason.startswith("env_")]
+        if failed:
+            # An environment call failed: the group's baseline needs every attempt.
+            del self._groups[group_id]
+            self.stats.skip(f"{failed[0]}", pending.problem.problem_id)
+            self.ledger.set(self.actor_id, self.claimed())
+            return
+        # Still in _groups, holding its place, until its scores are in.
+        pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+        completions = [self.decode(completion_ids(o)) for o in pending.outputs]
+        self.scorer.submit(group_id, pending.problem, completions)
 
     def publish(self, scored: Scored) -> None:
         pending = self._groups.pop(scored.key)
@@ -342,20 +392,8 @@ class Actor:
             self.stats.skip(scored.reason, pending.problem.problem_id)
             self.ledger.set(self.actor_id, self.claimed())
             return
-        samples = [
-            Sample(
-                prompt_ids=out.prompt_ids,
-                token_ids=out.token_ids,
-                logprobs=out.logprobs,
-                versions=out.versions,
-                reward=score.reward,
-                success=score.success,
-                finish_reason=out.finish_reason,
-                group_id=scored.key,
-                actor_id=self.actor_id,
-            )
-            for out, score in zip(pending.outputs, scored.scores)
-        ]
+        samples = [to_sample(out, score, scored.key, self.actor_id)
+                   for out, score in zip(pending.outputs, scored.scores)]
         if self.drop_zero_variance and zero_variance(samples, self.truncated,
                                                      self.truncated_reward):
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
@@ -369,7 +407,7 @@ class Actor:
             prompt=pending.problem.prompt,
             samples=samples,
             actor_id=self.actor_id,
-            actor_stats=self.stats.snapshot(self.engine.version),
+            actor_stats=self.snapshot(),
             attempt=self.attempt,
             seq=self.published,
             data_pos=self.data_pos(),
@@ -384,9 +422,29 @@ def generation(group_id: str) -> int:
     return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
 
 
-def completion_ids(out: GenerationOutput) -> list[int]:
+def completion_ids(out: GenerationOutput | Transcript) -> list[int]:
     """The tokens the verifier reads: without the stop token the engine includes."""
+    if isinstance(out, Transcript):
+        return out.completion_ids()
     return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+
+
+def to_sample(out: GenerationOutput | Transcript, score: Score, group_id: str, actor_id: int
+              ) -> Sample:
+    multi_turn = isinstance(out, Transcript)
+    return Sample(
+        prompt_ids=out.prompt_ids,
+        token_ids=out.token_ids,
+        logprobs=out.logprobs,
+        versions=out.versions,
+        reward=score.reward + (out.turn_reward if multi_turn else 0.0),
+        success=score.success,
+        finish_reason=out.finish_reason,
+        group_id=group_id,
+        actor_id=actor_id,
+        model_mask=out.model_mask if multi_turn else None,
+        turns=out.model_turns if multi_turn else 1,
+    )
 
 
 def sampling_from_config(engine_cfg: Any, stop_token_ids: tuple[int, ...]) -> SamplingParams:
@@ -470,6 +528,9 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         returned=control.returned_total,
         predecessor=predecessor,
         attempt=cfg.attempt,
+        encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        env_timeout_s=cfg.actor.env_timeout_s,
+        env_workers=cfg.actor.env_workers,
     )
     try:
         actor.run()

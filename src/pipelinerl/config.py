@@ -87,6 +87,11 @@ class ActorConfig(_Section):
     # the deadline is killed and its group dropped (counted as skipped_verifier_timeout).
     verifier_timeout_s: float = Field(default=10.0, gt=0)
     verifier_workers: int = Field(default=2, gt=0, description="verifier processes per actor")
+    # Environments (multi-turn tasks, docs/environments.md): each reply is computed in a worker
+    # process; one that runs past the deadline is killed and its group dropped (counted as
+    # skipped_env_timeout).
+    env_timeout_s: float = Field(default=10.0, gt=0)
+    env_workers: int = Field(default=2, gt=0, description="environment processes per actor")
     # A group whose rewards (as the trainer's advantages see them, trainer.loss.truncated
     # included) are all equal has A = 0 under every baseline, so no gradient: drop it (counted
     # as skipped_zero_variance) and start a replacement, so the trainer's batches stay full.

@@ -29,8 +29,10 @@ import torch
 from pipelinerl.actor import completion_ids
 from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine.base import Engine
+from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
+from pipelinerl.tasks.environment import is_environment
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class _Tally:
     truncated: int = 0
     failures: int = 0
 
-    def count(self, outs: list[GenerationOutput]) -> None:
+    def count(self, outs: list[GenerationOutput | Transcript]) -> None:
         """Lengths of one problem's finished attempts."""
         self.completions += len(outs)
         self.tokens += sum(len(o.token_ids) for o in outs)
@@ -98,38 +100,56 @@ def evaluate(
     scorer: Scorer,
     decode: Callable[[list[int]], str],
     between_steps: Callable[[], None] = lambda: None,
+    rollouts: Rollouts | None = None,
 ) -> dict[str, float]:
     """One pass over `problems` with the weights the engine holds, which must not change
     during the pass (`between_steps` runs between two decode steps and must not load any).
     A completion whose verification fails (raises, hangs, crashes) counts as unsolved and is
-    counted in `<mode>/verifier_failures`."""
+    counted in `<mode>/verifier_failures`. With `rollouts` (an environment's, on this engine)
+    the attempts are multi-turn; a failed environment call counts like a failed verifier."""
     version = engine.version
     t0 = time.monotonic()
     queue = deque(
-        GenerationRequest(f"{m}|{i}|{a}", list(ids), mode.params)
+        (f"{m}|{i}|{a}", i, mode.params)
         for m, mode in enumerate(modes)
-        for i, ids in enumerate(prompt_ids)
+        for i in range(len(prompt_ids))
         for a in range(mode.attempts)
     )
     tallies = [_Tally(mode.attempts) for mode in modes]
-    pending: dict[str, list[GenerationOutput]] = {}
+    pending: dict[str, list[GenerationOutput | Transcript]] = {}
     unscored = 0  # groups submitted to the scorer and not yet back
     while queue or engine.num_active():
         while queue and engine.num_active() < engine.capacity:
-            engine.add_request(queue.popleft())
+            request_id, i, params = queue.popleft()
+            engine.add_request(
+                rollouts.request(request_id, problems[i], prompt_ids[i], params) if rollouts
+                else GenerationRequest(request_id, list(prompt_ids[i]), params))
+        if rollouts is not None and rollouts.waiting() == rollouts.running() > 0:
+            rollouts.pool.wait(POLL_S)  # every sequence waits for its environment
+        finished: list[GenerationOutput | Transcript] = []
         for out in engine.step():
             if any(v != version for v in out.versions):
                 raise RuntimeError(f"evaluation of version {version} got tokens of versions "
                                    f"{sorted(set(out.versions))}: the weights changed mid-pass")
+            if rollouts is None:
+                finished.append(out)
+            elif (transcript := rollouts.on_turn(out)) is not None:
+                finished.append(transcript)
+        if rollouts is not None:
+            finished += rollouts.poll()
+        for out in finished:
             m, i, _ = out.request_id.split("|")
             key = f"{m}|{i}"
             outs = pending.setdefault(key, [])
             outs.append(out)
             if len(outs) == modes[int(m)].attempts:
                 tallies[int(m)].count(outs)
+                del pending[key]
+                if any(o.finish_reason.startswith("env_") for o in outs):
+                    tallies[int(m)].failures += len(outs)  # unsolved, like a failed verifier
+                    continue
                 scorer.submit(key, problems[int(i)], [decode(completion_ids(o)) for o in outs])
                 unscored += 1
-                del pending[key]
         unscored -= _collect(scorer, tallies, modes)
         between_steps()
     while unscored:
@@ -185,11 +205,17 @@ class EvalSetup:
     modes: list[EvalMode]
     scorer: Scorer
     decode: Callable[[list[int]], str]
+    rollouts: Rollouts | None = None  # an environment's multi-turn rollouts, on the engine
 
     def run(self, engine: Engine, between_steps: Callable[[], None] = lambda: None
             ) -> dict[str, float]:
         return evaluate(engine, self.problems, self.prompt_ids, self.modes, self.scorer,
-                        self.decode, between_steps)
+                        self.decode, between_steps, self.rollouts)
+
+    def close(self) -> None:
+        self.scorer.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
 
 
 def eval_device(cfg: Config) -> str:
@@ -215,8 +241,12 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
                                                "device": eval_device(cfg)})
     engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
     scorer = Scorer(task, cfg.actor.verifier_timeout_s, cfg.actor.verifier_workers)
-    setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer,
-                      lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rollouts = None
+    if is_environment(task):
+        rollouts = Rollouts(task, engine, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                            decode, base, cfg.actor.env_timeout_s, cfg.actor.env_workers)
+    setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer, decode, rollouts)
     return setup, engine
 
 
@@ -235,7 +265,7 @@ def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
     try:
         metrics = setup.run(engine)
     finally:
-        setup.scorer.close()
+        setup.close()
     print(f"{model_dir}: {len(setup.problems)} held-out problems of task {cfg.task.name!r} "
           f"(task.heldout_frac={cfg.task.heldout_frac}, eval.seed={cfg.eval.seed})")
     for key, value in metrics.items():
@@ -338,7 +368,7 @@ def run_evaluator(cfg: Config) -> None:
             _await_version(staging, int(stop["step"]), cfg.sync.timeout_s)
             run_pass(final=True)
     finally:
-        setup.scorer.close()
+        setup.close()
         writer.close()
         control.close()
         staging.receiver.close()

@@ -185,7 +185,7 @@ def valid_upto(resumes: list[tuple[int, int]]) -> dict[int, int]:
 
 
 def _oldest_version(group: Group) -> int:
-    return min(min(s.versions) for s in group.samples if s.versions)
+    return min(min(s.model_versions()) for s in group.samples if s.token_ids)
 
 
 def _validate(group: Group, group_size: int) -> None:
@@ -194,6 +194,8 @@ def _validate(group: Group, group_size: int) -> None:
     for s in group.samples:
         if not (len(s.token_ids) == len(s.logprobs) == len(s.versions)) or not s.token_ids:
             raise ValueError(f"group {group.group_id}: token, log-prob and version lists differ in length")
+        if s.model_mask is not None and (len(s.model_mask) != len(s.token_ids) or not any(s.model_mask)):
+            raise ValueError(f"group {group.group_id}: model_mask does not match its tokens or marks none")
 
 
 def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -359,11 +361,16 @@ def completion_stats(samples: list[Sample]) -> dict[str, float]:
     """Completion lengths, and the fraction cut at engine.max_new_tokens (finish_reason
     "length": no stop token, the answer may be incomplete)."""
     lengths = [len(s.token_ids) for s in samples]
-    return {
+    stats = {
         "completion_len_mean": sum(lengths) / len(lengths),
         "completion_len_max": max(lengths),
         "completion_truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
+    if any(s.model_mask is not None for s in samples):  # multi-turn rollouts
+        env_tokens = sum(m.count(False) for s in samples if (m := s.model_mask) is not None)
+        stats["turns_mean"] = sum(s.turns for s in samples) / len(samples)
+        stats["env_tokens_frac"] = env_tokens / max(sum(lengths), 1)
+    return stats
 
 
 def progress_bar(cfg: Config, enabled: bool) -> tqdm:

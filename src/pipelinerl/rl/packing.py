@@ -1,7 +1,8 @@
 """Turn samples into model inputs for the trainer: packed rows (default) or padded rows.
 
 Layout. A sequence is prompt + completion; the model is fed all of it but the last token,
-and input position p predicts the next token. Only completion tokens are trained, so each
+and input position p predicts the next token. Only completion tokens the model sampled are
+trained (a multi-turn completion also holds the environment's tokens, `Sample.model_mask`), so each
 `PackedBatch` carries the input grid (rows x length) and, flat and aligned, one entry per
 trained token: where it is predicted in the grid, its id, the engine's log-prob, the policy
 version that sampled it, the advantage of its sequence and the index of its sample.
@@ -79,6 +80,8 @@ def _input_length(s: Sample) -> int:
             f"token_ids, logprobs and versions differ in length: "
             f"{len(s.token_ids)}, {len(s.logprobs)}, {len(s.versions)}"
         )
+    if s.model_mask is not None and len(s.model_mask) != len(s.token_ids):
+        raise ValueError(f"model_mask has {len(s.model_mask)} entries for {len(s.token_ids)} tokens")
     return len(s.prompt_ids) + len(s.token_ids) - 1
 
 
@@ -109,14 +112,17 @@ def _build(
             ids = (list(s.prompt_ids) + list(s.token_ids))[:-1]
             input_ids[r, offset : offset + n] = torch.tensor(ids, dtype=torch.long)
             position_ids[r, offset : offset + n] = torch.arange(n)
-            # Completion token j is predicted from the position just before it.
+            # Completion token j is predicted from the position just before it. The tokens an
+            # environment wrote (multi-turn) are fed but not trained.
             first = offset + len(s.prompt_ids) - 1
-            c = len(s.token_ids)
+            trained = [j for j, m in enumerate(s.model_mask) if m] if s.model_mask is not None \
+                else range(len(s.token_ids))
+            c = len(trained)
             tok_rows += [r] * c
-            tok_cols += range(first, first + c)
-            targets += s.token_ids
-            old_lp += s.logprobs
-            versions += s.versions
+            tok_cols += [first + j for j in trained]
+            targets += [s.token_ids[j] for j in trained]
+            old_lp += [s.logprobs[j] for j in trained]
+            versions += [s.versions[j] for j in trained]
             adv += [float(advantages[i])] * c
             seq_idx += [i] * c
             offset += n

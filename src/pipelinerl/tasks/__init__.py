@@ -10,8 +10,10 @@ import random
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from pipelinerl.tasks.environment import check_environment, is_environment
 from pipelinerl.plugins import import_object
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
+from pipelinerl.tasks.calculator import CalculatorTask
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
@@ -20,6 +22,7 @@ from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
 TASKS: dict[str, type] = {
     "arithmetic": ChainArithmeticTask,
+    "calculator": CalculatorTask,
     "countdown": CountdownTask,
     "dataset": DatasetTask,
     "math": MathTask,
@@ -80,6 +83,11 @@ def check_task(task: Any, name: str) -> None:
     if what:
         raise ValueError(f"task {name!r}: {type(task).__name__} is not a Task: it lacks "
                          f"{', '.join(what)} (docs/tasks.md)")
+    if is_environment(task):
+        try:
+            check_environment(task)
+        except TypeError as e:
+            raise ValueError(f"task {name!r}: {e} (docs/environments.md)") from None
 
 
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:

@@ -1,0 +1,172 @@
+"""Multi-turn rollouts: the actor's bookkeeping between the engine and an environment.
+
+A rollout is one held engine request. Each turn the engine returns ends in one of three ways:
+on a turn stop (the tokens of one of the environment's `turn_stops`), the environment's reply
+is asked for in the worker pool while the sequence waits parked in the engine; on the model's
+stop token or at the token budget, the rollout is over. A reply is tokenised and appended
+(`Engine.extend`), its tokens marked as the environment's (no log-prob, version ENV_VERSION,
+never trained); `done`, a failed call, `max_turns` or a reply that leaves no budget end it.
+`engine.max_new_tokens` bounds the whole transcript after the prompt, model and environment
+tokens together, so a rollout fits the engine whatever its turns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from pipelinerl.engine.base import Engine
+from pipelinerl.tasks.environment import Environment, Turn
+from pipelinerl.envs.pool import EnvPool
+from pipelinerl.tasks.base import Problem
+from pipelinerl.types import ENV_VERSION, GenerationOutput, GenerationRequest, SamplingParams
+
+
+@dataclass
+class Transcript:
+    """A finished (or running) rollout: what the actor scores and publishes."""
+
+    request_id: str
+    problem: Problem
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    model_mask: list[bool] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    turn_reward: float = 0.0  # the replies' rewards, summed
+    # "stop" (the model stopped, or the environment said done), "length" (budget or
+    # max_turns), or the failure of an environment call (env_timeout / env_error / env_crash).
+    finish_reason: str = ""
+    ends_with_stop_token: bool = False
+
+    @property
+    def model_turns(self) -> int:
+        return sum(t.role == "model" for t in self.turns)
+
+    def completion_ids(self) -> list[int]:
+        """The tokens the verifier reads: without the model's final stop token."""
+        return self.token_ids[:-1] if self.ends_with_stop_token else self.token_ids
+
+
+@dataclass
+class EnvStats:
+    calls: int = 0
+    latency_s: float = 0.0
+    failures: Counter = field(default_factory=Counter)
+    wait_slot_s: float = 0.0  # engine slot-seconds spent waiting for the environment
+
+    def snapshot(self, elapsed_s: float, capacity: int) -> dict[str, float]:
+        return {
+            "env_calls": self.calls,
+            "env_latency_mean_s": self.latency_s / max(self.calls, 1),
+            "env_wait_frac": self.wait_slot_s / max(elapsed_s * capacity, 1e-9),
+            **{f"env_{reason.removeprefix('env_')}s": n for reason, n in self.failures.items()},
+        }
+
+
+class Rollouts:
+    """The multi-turn rollouts of one actor; see the module docstring."""
+
+    def __init__(
+        self,
+        env: Environment,
+        engine: Engine,
+        encode_text: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+        sampling: SamplingParams,
+        timeout_s: float,
+        workers: int,
+    ) -> None:
+        """`encode_text`: plain tokenisation (no special tokens, no template); `sampling`:
+        the actor's, whose max_new_tokens is the whole transcript's budget."""
+        self.env = env
+        self.engine = engine
+        self.encode_text = encode_text
+        self.decode = decode
+        self.budget = sampling.max_new_tokens
+        self.stop_token_ids = set(sampling.stop_token_ids)
+        self.turn_stops = tuple(tuple(encode_text(s)) for s in env.turn_stops)
+        self.sampling = sampling
+        self.pool = EnvPool(env, timeout_s, workers)
+        self.stats = EnvStats()
+        self._running: dict[str, Transcript] = {}
+        self._last_tick = time.monotonic()
+
+    def request(self, request_id: str, problem: Problem, prompt_ids: list[int],
+                params: SamplingParams | None = None) -> GenerationRequest:
+        """The engine request that starts a rollout; `params` (default: the actor's) keep
+        their temperature and truncation in every turn."""
+        params = replace(params or self.sampling, stop_sequences=self.turn_stops)
+        self._running[request_id] = Transcript(request_id, problem, list(prompt_ids), params)
+        return GenerationRequest(request_id, list(prompt_ids), params, hold=True)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def waiting(self) -> int:
+        """Rollouts whose sequence waits for the environment."""
+        return self.pool.pending()
+
+    def on_turn(self, out: GenerationOutput) -> Transcript | None:
+        """Record a finished turn; the transcript if the rollout is over (its engine request
+        released), else None (the environment was asked)."""
+        t = self._running[out.request_id]
+        t.token_ids += out.token_ids
+        t.logprobs += out.logprobs
+        t.versions += out.versions
+        t.model_mask += [True] * len(out.token_ids)
+        t.turns.append(Turn("model", self.decode(out.token_ids)))
+        if out.finish_reason == "length":
+            return self._end(t, "length")
+        if not any(tuple(out.token_ids[-len(s):]) == s for s in self.turn_stops):
+            t.ends_with_stop_token = out.token_ids[-1] in self.stop_token_ids
+            return self._end(t, "stop")
+        if t.model_turns >= self.env.max_turns:
+            return self._end(t, "length")
+        self.stats.calls += 1
+        self.pool.submit(t.request_id, t.problem, list(t.turns))
+        return None
+
+    def poll(self) -> list[Transcript]:
+        """Apply the environment's replies that came back: the rollouts they ended."""
+        now = time.monotonic()
+        self.stats.wait_slot_s += (now - self._last_tick) * self.pool.pending()
+        self._last_tick = now
+        ended = []
+        for result in self.pool.poll():
+            t = self._running[result.key]
+            self.stats.latency_s += result.latency_s
+            reply = result.reply
+            if reply is None:
+                self.stats.failures[result.failure] += 1
+                ended.append(self._end(t, result.failure))
+                continue
+            t.turn_reward += reply.reward
+            if reply.done:
+                ended.append(self._end(t, "stop"))
+                continue
+            ids = self.encode_text(reply.text)
+            room = self.budget - len(t.token_ids) - len(ids)
+            if room < 1:  # no token left for the model's next turn
+                ended.append(self._end(t, "length"))
+                continue
+            t.turns.append(Turn("env", reply.text))
+            t.token_ids += ids
+            t.logprobs += [0.0] * len(ids)
+            t.versions += [ENV_VERSION] * len(ids)
+            t.model_mask += [False] * len(ids)
+            self.engine.extend(t.request_id, ids, replace(t.params, max_new_tokens=room))
+        return ended
+
+    def _end(self, t: Transcript, reason: str) -> Transcript:
+        t.finish_reason = reason
+        del self._running[t.request_id]
+        self.engine.release(t.request_id)
+        return t
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,125 @@
+"""Multi-turn rollouts: environment tokens are fed but never trained, provenance across turns,
+environment calls off the decode loop (issue: multi-turn and tool use)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+from fake_tasks import FakeEnv
+from test_actor import ListWriter, decode, encode, make_actor, stop_after
+from test_rl import _FixedLogitsModel
+from tiny_models import tiny_hf_model
+
+from pipelinerl.actor import Schedule
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.rl.packing import pack
+from pipelinerl.types import ENV_VERSION, Group, Sample, SamplingParams
+
+torch.set_num_threads(1)
+
+
+def test_gradient_is_exactly_zero_on_environment_tokens() -> None:
+    """Sample 0 is prompt [0] + model, model, env, env, model tokens: input position p predicts
+    completion token p. The loss's gradient on the logits at the positions predicting the
+    environment's tokens is exactly 0, and not at the model's; lag and ESS count 3 + 2 tokens."""
+    from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
+    from pipelinerl.rl.step import rl_step
+
+    row = [math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]
+    model = _FixedLogitsModel(torch.tensor([row] * 5 + [row] * 2))
+    multi = Sample(prompt_ids=[0], token_ids=[1, 2, 3, 0, 1],
+                   logprobs=[math.log(0.3), math.log(0.2), 0.0, 0.0, math.log(0.3)],
+                   versions=[2, 2, ENV_VERSION, ENV_VERSION, 3], reward=1.0, success=True,
+                   finish_reason="stop", model_mask=[True, True, False, False, True], turns=2)
+    single = Sample(prompt_ids=[0], token_ids=[2, 3], logprobs=[math.log(0.2), math.log(0.1)],
+                    versions=[3, 3], reward=0.0, success=False, finish_reason="stop")
+    (batch,) = pack([multi, single], [1.0, -1.0], max_tokens_per_row=64)
+    assert batch.num_tokens == 5 and ENV_VERSION not in batch.versions.tolist()
+    assert batch.input_ids[0, :5].tolist() == [0, 1, 2, 3, 0]  # environment tokens are fed
+    cfg = Config(engine=EngineConfig(temperature=1.0, top_k=0, top_p=1.0),
+                 actor=ActorConfig(group_size=2),
+                 trainer=TrainerConfig(batch_size=2, max_tokens_per_row=64))
+    metrics = rl_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                      [Group(group_id="g", prompt="p", samples=[multi, single])], cfg,
+                      trainer_version=3)
+    grad = model.table.grad
+    # Packed longest first: the multi-turn sample holds positions 0-4 of the row.
+    assert torch.equal(grad[2], torch.zeros(4)) and torch.equal(grad[3], torch.zeros(4))
+    assert all(grad[p].abs().sum() > 0 for p in (0, 1, 4, 5, 6))
+    assert metrics["lag_hist"] == {"0": 3, "1": 2}
+    assert metrics["ess"] == pytest.approx(1.0)
+
+
+def char_of(token: int) -> str:
+    """A character that `encode` maps to `token`."""
+    return chr(token - 1 + 49)
+
+
+def multiturn_actor(hang: frozenset[str] = frozenset(), fail: frozenset[str] = frozenset(),
+                    **kwargs: Any) -> tuple[Any, Any, TorchEngine]:
+    """An actor on a real engine whose greedy first token is the environment's turn stop, so
+    every rollout has at least two model turns."""
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, capacity=4, max_seq_len=40)
+    engine.load_weights(hf.state_dict(), version=0)
+    prompt = "abcd"
+    first = int(hf(torch.tensor([encode(prompt)])).logits[0, -1].argmax())
+    env = FakeEnv(stop=char_of(first), reply="xy", turn_reward=0.25, env_hang=hang,
+                  env_fail=fail, prompt=prompt)
+    actor = make_actor(engine, env, Schedule(batch_size=4, group_size=2, max_lag=100),
+                       sampling=SamplingParams(max_new_tokens=12, temperature=0.0,
+                                               stop_token_ids=(0,)),
+                       encode_text=encode, env_workers=3, **kwargs)
+    return actor, hf, engine
+
+
+@torch.no_grad()
+def test_rollouts_carry_exact_provenance_across_turns() -> None:
+    actor, hf, _ = multiturn_actor(should_stop=stop_after(60))
+    actor.run(max_groups=3)
+    groups = [Group.from_dict(r) for r in actor.writer.records if "samples" in r]
+    assert len(groups) >= 3
+    reply = encode("xy")
+    for s in (s for g in groups for s in g.samples):
+        assert s.turns >= 2 and s.model_mask is not None and not all(s.model_mask)
+        env = [j for j, m in enumerate(s.model_mask) if not m]
+        assert [s.token_ids[j] for j in env] == reply * (len(env) // 2)
+        assert all(s.versions[j] == ENV_VERSION and s.logprobs[j] == 0.0 for j in env)
+        # Model tokens: greedy, with the log-probs of a teacher-forced pass over the whole
+        # conversation (the environment's tokens as context).
+        logits = hf(torch.tensor([s.prompt_ids + s.token_ids])).logits[0, len(s.prompt_ids) - 1 : -1]
+        model = [j for j, m in enumerate(s.model_mask) if m]
+        expected = logits.log_softmax(-1)[model, torch.tensor(s.token_ids)[model]]
+        torch.testing.assert_close(torch.tensor([s.logprobs[j] for j in model]), expected,
+                                   atol=1e-4, rtol=0)
+        assert all(s.token_ids[j] == int(logits[j].argmax()) for j in model)
+        assert s.reward % 1 == pytest.approx(0.25 * (s.turns - 1) % 1)  # per-turn rewards added
+    stats = groups[-1].actor_stats
+    assert stats["env_calls"] >= 6 and stats["env_latency_mean_s"] > 0
+
+
+def test_a_hanging_tool_is_counted_and_does_not_block_other_sequences() -> None:
+    published: list[tuple[float, str]] = []
+
+    class TimedWriter(ListWriter):
+        def write(self, record: dict[str, Any]) -> None:
+            published.append((time.monotonic(), record.get("group_id", "")))
+            super().write(record)
+
+    actor, _, _ = multiturn_actor(hang=frozenset({"fake:0"}), fail=frozenset({"fake:1"}),
+                                  writer=TimedWriter(), env_timeout_s=4.0)
+    t0 = time.monotonic()
+    actor.should_stop = lambda: (actor.stats.skipped["env_timeout"] > 0
+                                 or time.monotonic() - t0 > 60)
+    actor.run()
+    assert actor.stats.skipped["env_timeout"] == 1 and actor.stats.skipped["env_error"] == 1
+    # Groups went on being published while the hanging calls waited for their deadline.
+    during = [g for t, g in published if t - t0 < 3.5 and g]
+    assert len(during) >= 2, published
+    snapshot = actor.snapshot()
+    assert snapshot["env_timeouts"] == 2 and snapshot["env_errors"] == 2  # two attempts each
+    assert 0 < snapshot["env_wait_frac"] <= 1
