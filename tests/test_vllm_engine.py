@@ -274,6 +274,42 @@ def test_managed_engine_args_are_refused(models) -> None:
         )
 
 
+def step_until(engine: VllmEngine, request_id: str) -> GenerationOutput:
+    for _ in range(200):
+        for o in engine.step():
+            if o.request_id == request_id:
+                return o
+    raise AssertionError(f"{request_id} never finished a turn")
+
+
+def test_multiturn_stop_sequence_extend_and_versions(engine_a: VllmEngine, models) -> None:
+    """A held request ends its turn on a stop sequence (tokens 3-4 of its greedy run), is
+    continued with the environment's tokens after a weight update, and generates what model B
+    generates greedily for the whole conversation (vLLM re-prefills it), with version 1."""
+    hf_a, hf_b = models["a"][0], models["b"][0]
+    prompt, reply = PROMPTS[1], [3, 5, 8]
+    greedy = hf_greedy(hf_a, prompt, 12)
+    stop = tuple(greedy[3:5])
+    assert stop not in {tuple(greedy[i : i + 2]) for i in range(3)}, "pick another prompt"
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_sequences=(stop,))
+    engine_a.add_request(GenerationRequest("mt", prompt, params, hold=True))
+    turn1 = step_until(engine_a, "mt")
+    assert turn1.token_ids == greedy[:5] and turn1.finish_reason == "stop"
+    assert engine_a.num_active() == 1  # held between two turns
+    engine_a.load_weights(checkpoint_weights(hf_b), version=1)
+    engine_a.extend("mt", reply, SamplingParams(max_new_tokens=6, temperature=0.0))
+    turn2 = step_until(engine_a, "mt")
+    conversation = prompt + turn1.token_ids + reply
+    assert turn2.token_ids == hf_greedy(hf_b, conversation, 6) and turn2.versions == [1] * 6
+    torch.testing.assert_close(torch.tensor(turn2.logprobs),
+                               hf_logprobs(hf_b, conversation, turn2.token_ids, 1.0),
+                               atol=1e-4, rtol=0)
+    engine_a.release("mt")
+    assert engine_a.num_active() == 0
+    with pytest.raises(ValueError, match="not held"):
+        engine_a.release("mt")
+
+
 def test_recompute_kv_on_update(engine: VllmEngine, models) -> None:
     """With recompute, the tokens after an update are pure model B given the tokens so far."""
     engine.close()  # one in-process engine at a time; this is the module's last test

@@ -78,9 +78,15 @@ _KV_SLACK_TOKENS = 256
 @dataclass
 class _Sequence:
     request: GenerationRequest
+    context: list[int]  # what this vLLM request was given: the conversation so far
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    turn: int = 0  # continuations of a held request: vLLM request `<id>#<turn>`
+
+    def ends_with_stop_sequence(self) -> bool:
+        return any(len(self.token_ids) >= len(q) and tuple(self.token_ids[-len(q):]) == q
+                   for q in self.request.params.stop_sequences)
 
 
 class VllmEngine:
@@ -109,7 +115,9 @@ class VllmEngine:
         self._capacity = capacity
         self._max_seq_len = max_seq_len
         self._recompute_kv = recompute_kv_on_update
-        self._active: dict[str, _Sequence] = {}
+        self._active: dict[str, _Sequence] = {}  # by vLLM request id
+        # Held requests between two turns (multi-turn): their sequence so far, by request id.
+        self._held: dict[str, _Sequence] = {}
         self._staging: dict[str, torch.Tensor] | None = None
         # step() and weight updates exclude each other (re-entrant: receive_weights loads).
         self._lock = threading.RLock()
@@ -219,7 +227,7 @@ class VllmEngine:
         return self._capacity
 
     def num_active(self) -> int:
-        return len(self._active)
+        return len(self._active) + len(self._held)
 
     def add_request(self, request: GenerationRequest) -> None:
         params = request.params
@@ -237,10 +245,40 @@ class VllmEngine:
                 f"request {request.request_id!r}: token ids {bad[:8]} outside the vocabulary "
                 f"[0, {self._vocab_size})"
             )
-        if request.request_id in self._active:
+        if request.request_id in self._active or request.request_id in self._held:
             raise ValueError(f"request id {request.request_id!r} is already active")
-        self._llm.add_request(request.request_id, tokens_input(list(prompt)), _to_vllm(params))
-        self._active[request.request_id] = _Sequence(request)
+        if any(not q for q in params.stop_sequences):
+            raise ValueError(f"request {request.request_id!r}: an empty stop sequence")
+        self._submit(_Sequence(request, list(prompt)))
+
+    def _submit(self, seq: _Sequence) -> None:
+        vllm_id = seq.request.request_id + (f"#{seq.turn}" if seq.turn else "")
+        self._llm.add_request(vllm_id, tokens_input(list(seq.context)), _to_vllm(seq.request.params))
+        self._active[vllm_id] = seq
+
+    def extend(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        """See `Engine.extend`. vLLM cannot resume a finished request: the next turn is a new
+        request whose prompt is the whole conversation, so every turn re-prefills all of it
+        (prefix caching stays off: a cached prefix could hold K/V of older weights). Its K/V
+        are therefore always the current weights', whatever `recompute_kv_on_update` says."""
+        held = self._held.get(request_id)
+        if held is None:
+            raise ValueError(f"request {request_id!r} is not held after a finished turn")
+        context = held.context + held.token_ids + list(token_ids)
+        bad = [t for t in token_ids if not 0 <= t < self._vocab_size]
+        if bad or params.max_new_tokens < 1 or len(context) + params.max_new_tokens > self._max_seq_len:
+            raise ValueError(
+                f"request {request_id!r}: {len(context)} tokens with the new ones + "
+                f"max_new_tokens={params.max_new_tokens} must fit max_seq_len={self._max_seq_len}"
+                f" (and token ids {bad[:8]} be in the vocabulary)"
+            )
+        del self._held[request_id]
+        request = GenerationRequest(request_id, held.request.prompt_ids, params, hold=True)
+        self._submit(_Sequence(request, context, turn=held.turn + 1))
+
+    def release(self, request_id: str) -> None:
+        if self._held.pop(request_id, None) is None:
+            raise ValueError(f"request {request_id!r} is not held after a finished turn")
 
     def step(self) -> list[GenerationOutput]:
         if not self._active:
@@ -254,7 +292,9 @@ class VllmEngine:
         return finished
 
     def _absorb(self, out: RequestOutput, version: int) -> list[GenerationOutput]:
-        seq = self._active[out.request_id]
+        seq = self._active.get(out.request_id)
+        if seq is None:
+            return []  # aborted after a stop sequence
         completion = out.outputs[0]
         new_ids = list(completion.token_ids)  # DELTA: only this step's tokens
         step_logprobs = completion.logprobs or []
@@ -266,22 +306,30 @@ class VllmEngine:
         seq.token_ids.extend(new_ids)
         seq.logprobs.extend(lp[t].logprob for t, lp in zip(new_ids, step_logprobs))
         seq.versions.extend([version] * len(new_ids))
-        if not out.finished:
+        finish_reason = completion.finish_reason
+        # vLLM stops on token ids, not on token sequences: a turn that ends with one of its
+        # stop sequences (one token per step, DELTA) is ended here, at that step.
+        if seq.ends_with_stop_sequence():
+            if not out.finished:
+                self._llm.abort_request([out.request_id])
+            finish_reason = "stop"
+        elif not out.finished:
             return []
         del self._active[out.request_id]
-        if completion.finish_reason not in ("stop", "length"):
+        if finish_reason not in ("stop", "length"):
             raise RuntimeError(
-                f"request {out.request_id!r} ended with finish_reason "
-                f"{completion.finish_reason!r}"
+                f"request {out.request_id!r} ended with finish_reason {finish_reason!r}"
             )
+        if seq.request.hold:
+            self._held[seq.request.request_id] = seq
         return [
             GenerationOutput(
-                request_id=out.request_id,
+                request_id=seq.request.request_id,
                 prompt_ids=list(seq.request.prompt_ids),
-                token_ids=seq.token_ids,
-                logprobs=seq.logprobs,
-                versions=seq.versions,
-                finish_reason=completion.finish_reason,
+                token_ids=list(seq.token_ids),
+                logprobs=list(seq.logprobs),
+                versions=list(seq.versions),
+                finish_reason=finish_reason,
             )
         ]
 

@@ -90,6 +90,9 @@ class Rollouts:
         self.budget = sampling.max_new_tokens
         self.stop_token_ids = set(sampling.stop_token_ids)
         self.turn_stops = tuple(tuple(encode_text(s)) for s in env.turn_stops)
+        if not all(self.turn_stops):
+            raise ValueError(f"environment {env.name!r}: a turn stop of {env.turn_stops} "
+                             "tokenises to no token")
         self.sampling = sampling
         self.pool = EnvPool(env, timeout_s, workers)
         self.stats = EnvStats()
