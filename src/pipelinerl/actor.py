@@ -17,13 +17,13 @@ from typing import Any, Callable
 
 from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.engine.base import Engine
-from pipelinerl.tasks.environment import is_environment
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.rl.advantages import Truncated, zero_variance
 from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks.base import Problem, Score, Task
+from pipelinerl.tasks.environment import is_environment
 from pipelinerl.types import (
     HEARTBEAT_S,
     GenerationOutput,
@@ -149,7 +149,7 @@ class Actor:
         control stream's count). `predecessor`: the newest record an earlier process of this
         actor wrote (its stream's last): this one continues its count and waits for the
         trainer's current weights before starting anything. With an environment (a task with
-        `respond`, pipelinerl.envs) rollouts are multi-turn: `encode_text` tokenises its turn
+        `respond`, pipelinerl.tasks.environment) rollouts are multi-turn: `encode_text` tokenises its turn
         stops and replies, which it computes in `env_workers` processes under `env_timeout_s`."""
         self.engine = engine
         self.task = task
@@ -376,7 +376,7 @@ class Actor:
         if failed:
             # An environment call failed: the group's baseline needs every attempt.
             del self._groups[group_id]
-            self.stats.skip(f"{failed[0]}", pending.problem.problem_id)
+            self.stats.skip(failed[0], pending.problem.problem_id)
             self.ledger.set(self.actor_id, self.claimed())
             return
         # Still in _groups, holding its place, until its scores are in.

@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
 from pipelinerl.tasks import DemonstrationTask, Problem
+from pipelinerl.tasks.environment import is_environment
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,10 @@ def warm_start(
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         rng = random.Random(f"eval-{cfg.seed}")
-        problems = [task.sample_problem(rng) for _ in range(cfg.eval_problems)]
+        # An environment's rollouts need its replies, which plain generation here lacks: the
+        # evaluator's version-0 pass measures its starting policy instead.
+        n_eval = 0 if is_environment(task) else cfg.eval_problems
+        problems = [task.sample_problem(rng) for _ in range(n_eval)]
         evals = {
             f"success_{name}": success_rate(model, tokenizer, task, problems, temperature, cfg.seed)
             for name, temperature in (("t1", 1.0), ("greedy", 0.0))
@@ -178,7 +182,7 @@ def warm_start(
             "eval_seconds": round(eval_s, 1),
             "loss_first": losses[0],
             "loss_last": sum(losses[-20:]) / len(losses[-20:]),
-            "eval_problems": cfg.eval_problems,
+            "eval_problems": n_eval,
             **evals,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))

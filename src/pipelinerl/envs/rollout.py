@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pipelinerl.engine.base import Engine
-from pipelinerl.tasks.environment import Environment, Turn
 from pipelinerl.envs.pool import EnvPool
 from pipelinerl.tasks.base import Problem
+from pipelinerl.tasks.environment import Environment, Turn
 from pipelinerl.types import ENV_VERSION, GenerationOutput, GenerationRequest, SamplingParams
 
 

@@ -1,4 +1,5 @@
-"""Chain arithmetic with a calculator tool: the built-in environment (pipelinerl.envs).
+"""Chain arithmetic with a calculator tool: the built-in environment
+(pipelinerl.tasks.environment).
 
 The problems are the arithmetic task's (``08+7-5=``). The model may call the calculator by
 writing ``<calc>08+7-5</calc>``; its turn ends there, and the environment appends
