@@ -123,3 +123,69 @@ def test_a_hanging_tool_is_counted_and_does_not_block_other_sequences() -> None:
     snapshot = actor.snapshot()
     assert snapshot["env_timeouts"] == 2 and snapshot["env_errors"] == 2  # two attempts each
     assert 0 < snapshot["env_wait_frac"] <= 1
+
+
+class ScriptedEngine:
+    """Records what the rollouts ask of an engine (extend, release); generates nothing."""
+
+    def __init__(self) -> None:
+        self.extended: list[tuple[str, list[int], int]] = []
+        self.released: list[str] = []
+
+    def extend(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        self.extended.append((request_id, token_ids, params.max_new_tokens))
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+def turn(request_id: str, tokens: list[int], finish: str = "stop") -> Any:
+    from pipelinerl.types import GenerationOutput
+
+    return GenerationOutput(request_id, [1], tokens, [-0.5] * len(tokens), [7] * len(tokens), finish)
+
+
+def wait_for_replies(rollouts: Any, count: int) -> list[Any]:
+    ended: list[Any] = []
+    deadline = time.monotonic() + 30
+    while rollouts.waiting() and time.monotonic() < deadline:
+        rollouts.pool.wait(0.05)
+        ended += rollouts.poll()
+    assert not rollouts.waiting()
+    return ended
+
+
+def test_rollout_ends_on_the_model_stop_on_done_on_max_turns_and_on_budget() -> None:
+    from pipelinerl.envs.rollout import Rollouts
+    from pipelinerl.tasks.base import Problem
+
+    env = FakeEnv(stop="q", reply="xy", turn_reward=0.5)  # encode("q") = [16]; max_turns 3
+    engine = ScriptedEngine()
+    rollouts = Rollouts(env, engine, encode, decode,
+                        SamplingParams(max_new_tokens=12, stop_token_ids=(0,)), 10.0, 1)
+    problem = Problem("fake:0", "abcd", None)
+    try:
+        # The model's own stop token ends the rollout at once, no environment call.
+        rollouts.request("a", problem, [1])
+        done = rollouts.on_turn(turn("a", [5, 0]))
+        assert done.finish_reason == "stop" and done.ends_with_stop_token and done.model_turns == 1
+        # Three turns ending on the turn stop: two replies appended, the third (at max_turns)
+        # answered but not appended, the rollout cut short as truncated.
+        rollouts.request("b", problem, [1])
+        assert rollouts.on_turn(turn("b", [5, 16])) is None
+        assert wait_for_replies(rollouts, 1) == []
+        assert engine.extended[-1] == ("b", encode("xy"), 12 - 2 - 2)  # budget left for turn 2
+        assert rollouts.on_turn(turn("b", [16])) is None
+        wait_for_replies(rollouts, 1)
+        assert rollouts.on_turn(turn("b", [4, 16])) is None
+        (cut,) = wait_for_replies(rollouts, 1)
+        assert cut.finish_reason == "length" and cut.model_turns == 3 and cut.turn_reward == 1.5
+        assert cut.model_mask == [True, True, False, False, True, False, False, True, True]
+        assert cut.versions == [7, 7, -1, -1, 7, -1, -1, 7, 7] and engine.released == ["a", "b"]
+        # A reply that leaves the model no token ends the rollout as truncated.
+        rollouts.request("c", problem, [1])
+        assert rollouts.on_turn(turn("c", [3] * 9 + [16])) is None
+        (full,) = wait_for_replies(rollouts, 1)
+        assert full.finish_reason == "length" and len(full.token_ids) == 10
+    finally:
+        rollouts.close()

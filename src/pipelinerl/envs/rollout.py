@@ -7,7 +7,9 @@ stop token or at the token budget, the rollout is over. A reply is tokenised and
 (`Engine.extend`), its tokens marked as the environment's (no log-prob, version ENV_VERSION,
 never trained); `done`, a failed call, `max_turns` or a reply that leaves no budget end it.
 `engine.max_new_tokens` bounds the whole transcript after the prompt, model and environment
-tokens together, so a rollout fits the engine whatever its turns.
+tokens together, so a rollout fits the engine whatever its turns. The last turn allowed
+(`max_turns`) is answered too: a `done` reply ends the rollout as finished, any other as
+truncated ("length", its text not appended).
 """
 
 from __future__ import annotations
@@ -128,8 +130,6 @@ class Rollouts:
         if not any(tuple(out.token_ids[-len(s):]) == s for s in self.turn_stops):
             t.ends_with_stop_token = out.token_ids[-1] in self.stop_token_ids
             return self._end(t, "stop")
-        if t.model_turns >= self.env.max_turns:
-            return self._end(t, "length")
         self.stats.calls += 1
         self.pool.submit(t.request_id, t.problem, list(t.turns))
         return None
@@ -151,6 +151,9 @@ class Rollouts:
             t.turn_reward += reply.reward
             if reply.done:
                 ended.append(self._end(t, "stop"))
+                continue
+            if t.model_turns >= self.env.max_turns:  # the environment wanted more: cut short
+                ended.append(self._end(t, "length"))
                 continue
             ids = self.encode_text(reply.text)
             room = self.budget - len(t.token_ids) - len(ids)
