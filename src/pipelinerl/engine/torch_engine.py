@@ -449,7 +449,7 @@ class TorchEngine:
                 )
             )
         held = [bool(self._requests[slot].hold) for slot in slots]
-        parked = self._deactivate(slots)
+        parked = self._deactivate(slots, held)
         self._free([s for s, h in zip(parked, held) if not h])
         self._parked[[s for s, h in zip(parked, held) if h]] = True
         self.stats.finished_requests += len(outputs)
@@ -473,30 +473,35 @@ class TorchEngine:
                     self._stale]
         return per_position, per_slot
 
-    def _swap(self, a: list[int], b: list[int]) -> None:
-        """Exchange everything slots a[i] and b[i] hold, cache included (disjoint lists)."""
-        if not a:
+    def _move(self, src: list[int], dst: list[int]) -> None:
+        """Copy everything slot src[i] holds, cache included, into slot dst[i]. Every read
+        happens before any write (advanced indexing reads a copy), so src and dst may
+        overlap: `_move(a + b, b + a)` swaps."""
+        if not src:
             return
-        length = int(self._len[a + b].max())
-        src, dst = a + b, b + a
+        length = int(self._len[src].max())
         self._cache.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), length)
         per_position, per_slot = self._slot_state()
         for t in per_position:
-            t[dst, :length] = t[src, :length]  # advanced indexing reads a copy first: a swap
+            t[dst, :length] = t[src, :length]
         for t in per_slot:
             t[dst] = t[src]
         requests = [self._requests[s] for s in src]
         for d, r in zip(dst, requests):
             self._requests[d] = r
 
-    def _deactivate(self, slots: list[int]) -> list[int]:
-        """Take `slots` out of the active ones, keeping those packed at the front by swapping
-        the last active sequences into the holes; return where the taken ones now are."""
+    def _deactivate(self, slots: list[int], keep: list[bool] | None = None) -> list[int]:
+        """Take `slots` out of the active ones, keeping those packed at the front: the last
+        active sequences move into the holes, and the taken ones that `keep` marks (parked,
+        held) move to where those were; return where the taken ones now are (for the others,
+        a slot to free)."""
+        kept = {s for s, k in zip(slots, keep or [False] * len(slots)) if k}
         freed = set(slots)
         n_new = self._n - len(freed)
         holes = [s for s in slots if s < n_new]
         movers = [s for s in range(n_new, self._n) if s not in freed]
-        self._swap(holes, movers)
+        swapped = [i for i, h in enumerate(holes) if h in kept]
+        self._move(movers + [holes[i] for i in swapped], holes + [movers[i] for i in swapped])
         self._n = n_new
         return [movers[holes.index(s)] if s in holes else s for s in slots]
 
@@ -510,7 +515,7 @@ class TorchEngine:
         for i in range(len(slots)):
             current = slots[i]
             if current != target[i]:
-                self._swap([current], [target[i]])
+                self._move([current, target[i]], [target[i], current])
                 slots = [current if s == target[i] else s for s in slots]
 
     def _free(self, slots: list[int]) -> None:

@@ -22,7 +22,7 @@ from typing import Callable
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.pool import EnvPool
 from pipelinerl.tasks.base import Problem
-from pipelinerl.tasks.environment import Environment, Turn
+from pipelinerl.tasks.environment import Environment, Reply, Turn
 from pipelinerl.types import ENV_VERSION, GenerationOutput, GenerationRequest, SamplingParams
 
 
@@ -84,12 +84,12 @@ class Rollouts:
         workers: int,
     ) -> None:
         """`encode_text`: plain tokenisation (no special tokens, no template); `sampling`:
-        the actor's, whose max_new_tokens is the whole transcript's budget."""
+        the actor's, the default of `request`. A request's max_new_tokens is the budget of its
+        whole transcript."""
         self.env = env
         self.engine = engine
         self.encode_text = encode_text
         self.decode = decode
-        self.budget = sampling.max_new_tokens
         self.stop_token_ids = set(sampling.stop_token_ids)
         self.turn_stops = tuple(tuple(encode_text(s)) for s in env.turn_stops)
         if not all(self.turn_stops):
@@ -143,30 +143,31 @@ class Rollouts:
         for result in self.pool.poll():
             t = self._running[result.key]
             self.stats.latency_s += result.latency_s
-            reply = result.reply
-            if reply is None:
+            if result.reply is None:
                 self.stats.failures[result.failure] += 1
                 ended.append(self._end(t, result.failure))
-                continue
-            t.turn_reward += reply.reward
-            if reply.done:
-                ended.append(self._end(t, "stop"))
-                continue
-            if t.model_turns >= self.env.max_turns:  # the environment wanted more: cut short
-                ended.append(self._end(t, "length"))
-                continue
-            ids = self.encode_text(reply.text)
-            room = self.budget - len(t.token_ids) - len(ids)
-            if room < 1:  # no token left for the model's next turn
-                ended.append(self._end(t, "length"))
-                continue
-            t.turns.append(Turn("env", reply.text))
-            t.token_ids += ids
-            t.logprobs += [0.0] * len(ids)
-            t.versions += [ENV_VERSION] * len(ids)
-            t.model_mask += [False] * len(ids)
-            self.engine.extend(t.request_id, ids, replace(t.params, max_new_tokens=room))
+            elif (reason := self._continue(t, result.reply)) is not None:
+                ended.append(self._end(t, reason))
         return ended
+
+    def _continue(self, t: Transcript, reply: Reply) -> str | None:
+        """Append the reply and start the model's next turn; or the reason the rollout ends."""
+        t.turn_reward += reply.reward
+        if reply.done:
+            return "stop"
+        if t.model_turns >= self.env.max_turns:  # the environment wanted more: cut short
+            return "length"
+        ids = self.encode_text(reply.text)
+        room = t.params.max_new_tokens - len(t.token_ids) - len(ids)
+        if room < 1:  # no token left for the model's next turn
+            return "length"
+        t.turns.append(Turn("env", reply.text))
+        t.token_ids += ids
+        t.logprobs += [0.0] * len(ids)
+        t.versions += [ENV_VERSION] * len(ids)
+        t.model_mask += [False] * len(ids)
+        self.engine.extend(t.request_id, ids, replace(t.params, max_new_tokens=room))
+        return None
 
     def _end(self, t: Transcript, reason: str) -> Transcript:
         t.finish_reason = reason
