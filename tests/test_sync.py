@@ -7,6 +7,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import pytest
@@ -498,3 +499,74 @@ def test_shm_into_cuda_page_locks_and_casts_on_the_device() -> None:
     finally:
         receiver.close()
         sender.close()
+
+
+# ---- streamed weights (a sharded trainer's, gathered on demand) ----------------------------
+
+
+class _Streamed:
+    """`StreamedWeights` over `_weights(version)` that yields fresh copies and records how
+    many of them are alive whenever the sender asks for the next: a sender that kept them all
+    (the whole model gathered at once) would show it."""
+
+    def __init__(self, version: int) -> None:
+        self._weights = _weights(version)
+        self.layout = shm_mod.WeightLayout.from_weights(self._weights)
+        self.device = torch.device("cpu")
+        self.most_alive = 0
+        self.yielded = 0
+
+    def tensors(self):
+        alive: list[weakref.ref] = []
+        for slot in self.layout.slots:
+            self.most_alive = max(self.most_alive, sum(r() is not None for r in alive))
+            t = self._weights[slot.names[0]].clone()
+            alive.append(weakref.ref(t))
+            self.yielded += 1
+            yield t
+
+
+def test_streamed_weights_are_sent_one_tensor_at_a_time_shm() -> None:
+    run_id = _run_id()
+    sender = ShmWeightSender(run_id)
+    receiver = ShmWeightReceiver(run_id)
+    try:
+        for v in (1, 2):
+            streamed = _Streamed(v)
+            sender.publish(streamed, v)
+            targets = _targets(torch.float32)
+            assert receiver.receive_into(targets) == v
+            _assert_same(targets, v)
+            assert streamed.yielded == len(streamed.layout.slots)
+            assert streamed.most_alive <= 1  # the previous copy at most, while the next is made
+        with pytest.raises(ValueError, match="layout"):
+            bigger = _Streamed(3)
+            bigger.layout = shm_mod.WeightLayout.from_weights({**_weights(3), "x": torch.ones(2)})
+            sender.publish(bigger, 3)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_streamed_weights_are_sent_one_tensor_at_a_time_broadcast() -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q = SPAWN.Queue()
+    actor = SPAWN.Process(target=_bcast_receiver, args=(init, 0, 1, [1, 2], torch.float32, 30.0, q))
+    actor.start()
+    # 256-byte buckets: a tensor spans several buckets, a bucket holds pieces of several.
+    sender = BroadcastWeightSender(init, n_actors=1, bucket_mb=256 / 2**20, timeout_s=30)
+    try:
+        for v in (1, 2):
+            sender.per_parameter = v == 2
+            streamed = _Streamed(v)
+            sender.publish(streamed, v)
+            _, got_v, received = _get(q)
+            assert got_v == v
+            _assert_same(_unpack(received), v)
+            assert streamed.yielded == len(streamed.layout.slots)
+            assert streamed.most_alive <= 1
+        sender.close()
+        assert _get(q) == (0, "closed")
+    finally:
+        sender.close()
+        _reap(actor)

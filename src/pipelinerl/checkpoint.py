@@ -10,9 +10,17 @@ A checkpoint is written into `.step_<N>.tmp`, every file fsynced, then renamed: 
 named `step_*` is complete, and a crash mid-write leaves only a `.tmp` that is never loaded
 (and is removed by the next save). The newest `keep` are kept.
 
-The three parts are separate so that a sharded trainer (FSDP2) writes the same content with
-`torch.distributed.checkpoint`: `model/` gathered bucket by bucket (or as DCP shards),
-trainer.pt's optimizer state from DCP's `get_optimizer_state_dict`, state.json from rank 0.
+A sharded trainer (`trainer.strategy=fsdp2`) writes the same content in another form:
+
+      dcp/         weights and AdamW state, `torch.distributed.checkpoint` shards (every rank
+                   writes its own; a resume on any number of ranks reshards them)
+      model/       config and tokenizer only
+      trainer.pt   lr-schedule state, RNG states (no optimizer: it is in dcp/)
+      state.json   as above
+
+Every rank calls save and load then (rank 0 alone writes trainer.pt and state.json, creates,
+fsyncs and renames the directory); the checkpoint directory must be on a file system every
+trainer rank sees. A checkpoint resumes under the strategy that wrote it.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipelinerl.models.lora import ADAPTER_DIR, is_lora, load_adapter, to_save
+from pipelinerl.parallel import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -72,32 +82,70 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
                     keep: int) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep`; returns its directory."""
+    """Write checkpoint `step` atomically and keep the newest `keep`; returns its directory.
+    With a sharded model every rank calls it (`state` matters on rank 0 only)."""
+    sharded = is_sharded(model)
+    main = not sharded or dist.get_rank() == 0
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step_*.tmp"):  # a crash mid-write left it: never complete
-        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".{final.name}.tmp"
-    try:
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.tmp"):  # a crash mid-write left it: never complete
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-        # Hugging Face layout; with LoRA the merged model, and the adapter a resume loads.
-        to_save(model, tmp / ADAPTER_DIR).save_pretrained(str(tmp / "model"))
-        tokenizer.save_pretrained(str(tmp / "model"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_states()}, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
-        _fsync_tree(tmp)
+    try:
+        if sharded:
+            dist.barrier()  # the directory exists, and no rank writes before the cleanup
+            _save_shards(model, optimizer, tmp / SHARDS)
+        if main:
+            trainer_state = {"scheduler": scheduler.state_dict(), "rng": rng_states()}
+            if sharded:
+                model.config.save_pretrained(str(tmp / "model"))
+            else:
+                # Hugging Face layout; with LoRA the merged model, and the adapter a resume loads.
+                to_save(model, tmp / ADAPTER_DIR).save_pretrained(str(tmp / "model"))
+                trainer_state["optimizer"] = optimizer.state_dict()
+            tokenizer.save_pretrained(str(tmp / "model"))
+            torch.save(trainer_state, tmp / "trainer.pt")
+            (tmp / "state.json").write_text(json.dumps({"step": step, **state}))
+            _fsync_tree(tmp)
     except BaseException:  # KeyboardInterrupt too: a stopped trainer leaves no partial copy
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():  # the same step again (a resumed run's last one): replace it whole
-        shutil.rmtree(final)
-    tmp.rename(final)
-    _fsync(root)
-    for old in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if main:
+        if final.exists():  # the same step again (a resumed run's last one): replace it whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync(root)
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if sharded:
+        dist.barrier()  # no rank goes on (or loads it) before it is complete
     return final
+
+
+SHARDS = "dcp"
+
+
+def _save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+
+
+def _load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))  # into this run's shards, whatever the old ranks
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -106,7 +154,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     from safetensors.torch import load_file
 
     target = getattr(model, "module", model)
-    if is_lora(target):  # the base weights are the starting model's, frozen
+    if is_sharded(model) != (path / SHARDS).is_dir():
+        written, now = ("fsdp2", "ddp") if (path / SHARDS).is_dir() else ("ddp", "fsdp2")
+        raise ValueError(f"checkpoint {path} was written with trainer.strategy={written}; this "
+                         f"trainer runs {now}: resume with the strategy that wrote it")
+    if is_sharded(model):
+        _load_shards(model, optimizer, path / SHARDS)
+    elif is_lora(target):  # the base weights are the starting model's, frozen
         load_adapter(target, path / ADAPTER_DIR)
     else:
         weights: dict[str, torch.Tensor] = {}
@@ -119,7 +173,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             raise ValueError(f"checkpoint {path} does not fit the model: missing {missing}, "
                              f"unexpected {unexpected}")
     trainer = torch.load(path / "trainer.pt", weights_only=False)
-    optimizer.load_state_dict(trainer["optimizer"])
+    if not is_sharded(model):
+        optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     set_rng_states(trainer["rng"])
     return json.loads((path / "state.json").read_text())

@@ -162,6 +162,18 @@ class AdvantageConfig(_Section):
     std_normalize: bool = False
 
 
+class FsdpConfig(_Section):
+    """FSDP2 (`trainer.strategy=fsdp2`, docs/scaling.md): parameters, gradients and AdamW state
+    sharded over the trainer ranks; the master weights and optimizer state stay float32."""
+
+    # The dtype each layer computes in (its gathered parameters) and gradients are averaged in.
+    param_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    reduce_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # Shards, gradients and optimizer state in host memory (CUDA only): the GPU holds one
+    # layer's gathered weights at a time; AdamW then steps on the CPU.
+    cpu_offload: bool = False
+
+
 class TrainerConfig(_Section):
     batch_size: int = Field(default=64, gt=0, description="samples (sequences) per optimizer step")
     max_steps: int = Field(default=200, gt=0)
@@ -183,6 +195,11 @@ class TrainerConfig(_Section):
     threads: int = Field(default=1, gt=0, description="torch threads for each trainer process")
     num_procs: int = Field(default=1, gt=0, description="trainer ranks on this machine (torchrun)")
     device: str = "cpu"
+    # ddp: every rank a whole replica; fsdp2: sharded over the ranks (docs/scaling.md).
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them.
+    activation_checkpointing: bool = False
     loss: LossConfig = Field(default_factory=LossConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     sample_timeout_s: float = Field(
@@ -309,6 +326,12 @@ class Config(_Section):
                 "max_lag steps past the weights they hold, so the trainer would wait at step "
                 "max_lag + 1 for groups that need weights it publishes only later"
             )
+        if self.trainer.strategy == "fsdp2" and self.model.lora is not None:
+            raise ValueError("trainer.strategy=fsdp2 with model.lora: LoRA trains adapters "
+                             "small enough to replicate; use trainer.strategy=ddp")
+        if self.trainer.fsdp.cpu_offload and not self.trainer.device.startswith("cuda"):
+            raise ValueError("trainer.fsdp.cpu_offload=true needs a CUDA trainer.device: on "
+                             f"{self.trainer.device!r} the weights are in host memory already")
         if self.eval.enabled and self.task.heldout_frac == 0:
             raise ValueError("eval.enabled=true needs task.heldout_frac > 0: evaluation draws "
                              "only problems that training never sees")

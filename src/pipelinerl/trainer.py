@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from pipelinerl.config import Config
+from pipelinerl.parallel import GatheredWeights, full_state_dict, is_sharded, shard_frozen, wrap_model
 from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import WeightSender
@@ -228,9 +229,13 @@ class Trainer:
         if tc.loss.kl_coef > 0:
             from pipelinerl.models.hf import load_model
 
-            param = next(model.parameters())
-            self.ref_model = load_model(cfg.model.path, dtype=param.dtype, device=param.device)
-            self.ref_model.eval().requires_grad_(False)
+            if is_sharded(model):
+                ref = load_model(cfg.model.path, dtype=torch.float32, device="cpu").eval()
+                self.ref_model = shard_frozen(ref, tc.fsdp, tc.device)
+            else:
+                param = next(model.parameters())
+                self.ref_model = load_model(cfg.model.path, dtype=param.dtype, device=param.device)
+                self.ref_model.eval().requires_grad_(False)
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
         self.samples_trained = 0
         self.started_at = time.monotonic()
@@ -316,23 +321,30 @@ class Trainer:
         return metrics
 
     def maybe_publish(self) -> None:
+        """Every rank calls it (a sharded model's weights are gathered by all); rank 0 sends."""
         every = self.cfg.conventional_g if self.cfg.mode == "conventional" else self.cfg.trainer.publish_every
-        if self.sender is None or self.step % every:
-            return
-        t0 = time.monotonic()
-        self.sender.publish(trainer_weights(self.model), self.step)
-        self.publish_s = time.monotonic() - t0
-        self.published_version = self.step
+        if self.step % every == 0:
+            self._publish()
 
     def publish_final(self) -> bool:
-        """Publish the final weights unless this step's already went out; False without a
-        channel."""
-        if self.sender is None:
-            return False
+        """Publish the final weights unless this step's already went out (every rank calls
+        it); False without a channel."""
         if self.published_version != self.step:
+            self._publish()
+        return self.sender is not None
+
+    def _publish(self) -> None:
+        t0 = time.monotonic()
+        if is_sharded(self.model):
+            weights = GatheredWeights(self.model)
+            if self.sender is None:
+                weights.drain()
+            else:
+                self.sender.publish(weights, self.step)
+        elif self.sender is not None:
             self.sender.publish(trainer_weights(self.model), self.step)
-            self.published_version = self.step
-        return True
+        self.publish_s = time.monotonic() - t0
+        self.published_version = self.step
 
     def step_record(self, groups: list[Group], metrics: dict[str, Any]) -> dict[str, Any]:
         assert self.source is not None
@@ -406,14 +418,16 @@ def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, 
     return out
 
 
-def init_distributed(device: str, timeout_s: float = 1800.0) -> tuple[int, int, str]:
-    """Join the trainer's process group when started by torchrun; returns (rank, world, device).
+def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = False
+                     ) -> tuple[int, int, str]:
+    """Join the trainer's process group when started by torchrun (`sharded`: a one-rank group
+    too, FSDP2 shards over one); returns (rank, world, device).
     `timeout_s` bounds every collective, the final barrier included: the other ranks wait there
     while rank 0 saves and waits for the final evaluation."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and not sharded:
         return 0, 1, device
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))
     if device.startswith("cuda"):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = f"cuda:{local_rank}"
@@ -421,7 +435,12 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> tuple[int, int, 
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if world == 1:  # FSDP2 on one rank (CPU offload, or a run resumed on fewer ranks)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return rank, world, device
 
 
@@ -465,7 +484,8 @@ def run_trainer(cfg: Config) -> None:
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.trainer.seed)
     rank, world, device = init_distributed(
-        cfg.trainer.device, timeout_s=1800.0 + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0))
+        cfg.trainer.device, timeout_s=1800.0 + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0),
+        sharded=cfg.trainer.strategy == "fsdp2")
     n_groups = cfg.trainer.batch_size // cfg.actor.group_size
     if n_groups % world:
         raise ValueError(f"trainer.batch_size / actor.group_size = {n_groups} groups per step "
@@ -484,15 +504,16 @@ def run_trainer(cfg: Config) -> None:
         logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
                                resume_step=resume_step, attempt=cfg.attempt)
         audit = open_run_jsonl(run_dir / "trained.jsonl", resume_step, cfg.attempt)
-    model = load_model(cfg.model.path, dtype=torch.float32, device=device)
+    # FSDP2 moves each rank's shard to the device; the whole model stays in host memory.
+    load_on = "cpu" if cfg.trainer.strategy == "fsdp2" else device
+    model = load_model(cfg.model.path, dtype=torch.float32, device=load_on)
     if cfg.model.lora is not None:
         from pipelinerl.models.lora import apply_lora
 
         model = apply_lora(model, cfg.model.lora)
     model.train()
-    wrapped: torch.nn.Module = model
-    if world > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    wrapped = wrap_model(model, cfg.trainer, device, world)
+    sharded = is_sharded(wrapped)
     source = sender = control = evals = None
     if is_main:
         max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
@@ -509,14 +530,20 @@ def run_trainer(cfg: Config) -> None:
         trainer.resume(checkpoint)
         log.info("attempt %d resumes at step %d from %s", cfg.attempt, trainer.step,
                  checkpoint or "the starting model (no complete checkpoint)")
-        if is_main:
-            # The actors of this attempt admit nothing before they hold these weights.
+        # The actors of this attempt admit nothing before they hold these weights.
+        if is_main or sharded:
             trainer.publish_final()
+        if is_main:
             if evals is not None:
                 evals.made(trainer.step, time.monotonic() - trainer.started_at)
     due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
                         trainer.step)
     round_steps = cfg.conventional_g if cfg.mode == "conventional" else 1
+
+    def checkpoint_due(step: int) -> bool:
+        # Conventional mode: only between rounds, where no generated round is half-trained.
+        return due(step) and step % round_steps == 0
+
     batches = trainer.batches() if is_main else None
     bar = progress_bar(cfg, enabled=cfg.metrics.progress and is_main)
     stop_written = False
@@ -525,21 +552,27 @@ def run_trainer(cfg: Config) -> None:
             groups = next(batches) if batches is not None else None
             shard = share_groups(groups, rank, world)
             metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)
-            if not is_main:
-                continue
-            assert groups is not None and logger is not None and audit is not None
-            trainer.maybe_publish()
-            record = trainer.step_record(groups, metrics)
-            logger.log(trainer.step, record)
-            audit.write(json.dumps({"step": trainer.step, "trained": [g.group_id for g in groups],
-                                    "dropped": trainer.source.take_dropped_ids()}) + "\n")
-            if trainer.source.returned_changed:
-                write_returned(control, cfg, dict(trainer.source.returned))
-                trainer.source.returned_changed = False
-            # Conventional mode: only between rounds, where no generated round is half-trained.
-            if due(trainer.step) and trainer.step % round_steps == 0:
+            if sharded or is_main:
+                trainer.maybe_publish()
+            if is_main:
+                assert groups is not None and logger is not None and audit is not None
+                record = trainer.step_record(groups, metrics)
+                logger.log(trainer.step, record)
+                audit.write(json.dumps({"step": trainer.step,
+                                        "trained": [g.group_id for g in groups],
+                                        "dropped": trainer.source.take_dropped_ids()}) + "\n")
+                if trainer.source.returned_changed:
+                    write_returned(control, cfg, dict(trainer.source.returned))
+                    trainer.source.returned_changed = False
+            # After the step's records, which a resume from this checkpoint keeps.
+            save = checkpoint_due(trainer.step) if is_main else False
+            if sharded:
+                save = _rank0_says(save, device)  # rank 0's clock decides; every rank writes
+            if save:
                 trainer.save_checkpoint(tokenizer)
                 due.done(trainer.step)
+            if not is_main:
+                continue
             if evals is not None:
                 evals.made(trainer.step, record["time_s"])
                 evals.drain()
@@ -548,16 +581,17 @@ def run_trainer(cfg: Config) -> None:
                             success=f"{record['success_ema']:.2f}",
                             ess=f"{record.get('ess', float('nan')):.3f}",
                             lag=f"{record.get('lag_mean', float('nan')):.2f}")
-        if is_main:
+        if is_main or sharded:
             # Before the stop record: the actors, and after them the launcher, leave only once
             # the final weights are on disk, so a slow save is never cut short. The last
             # checkpoint lets `--resume` extend a finished run.
-            _save_final(cfg, model)
+            _save_final(cfg, model, is_main)
             if trainer.step % round_steps == 0 and due.last_step != trainer.step:
                 trainer.save_checkpoint(tokenizer)
             # The evaluator takes the final weights from the channel once the stop record
             # says they are there; the plot waits for its result.
-            final_published = evals is not None and trainer.publish_final()
+            final_published = cfg.eval.enabled and trainer.publish_final()
+        if is_main:
             write_stop(control, cfg, trainer.step, final_published=final_published)
             stop_written = True
             if final_published:
@@ -580,20 +614,31 @@ def run_trainer(cfg: Config) -> None:
             audit.close()
             if sender is not None:
                 sender.close()
-        if world > 1:
+        if dist.is_initialized():
             trainer.model = wrapped = None  # DDP's reducer goes before the group it uses
             dist.destroy_process_group()
 
 
-def _save_final(cfg: Config, model: torch.nn.Module) -> None:
+def _save_final(cfg: Config, model: torch.nn.Module, is_main: bool) -> None:
     """The trained model as `final/` (atomically); with LoRA, merged, and the adapter alone
-    as `final_adapter/`."""
+    as `final_adapter/`. A sharded model is gathered to rank 0's memory, tensor by tensor
+    (every rank calls this)."""
     from pipelinerl.models.hf import load_tokenizer, save_model
     from pipelinerl.models.lora import to_save
 
+    state = full_state_dict(model) if is_sharded(model) else None
+    if not is_main:
+        return
     final = save_model(to_save(model, cfg.run_dir / "final_adapter"),
-                       load_tokenizer(cfg.model.path), cfg.run_dir / "final")
+                       load_tokenizer(cfg.model.path), cfg.run_dir / "final", state_dict=state)
     log.info("saved final weights to %s", final)
+
+
+def _rank0_says(flag: bool, device: str) -> bool:
+    """Rank 0's `flag` on every rank (a decision that reads rank 0's clock)."""
+    t = torch.tensor([float(flag)], device=device)  # NCCL broadcasts no CPU tensor
+    dist.broadcast(t, src=0)
+    return bool(t.item())
 
 
 def _plot(cfg: Config, metrics_path: Path) -> None:

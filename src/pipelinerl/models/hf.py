@@ -127,13 +127,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def save_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save model (safetensors; tied weights stored once) and tokenizer in HF format.
 
     Atomic: written to a temporary directory beside `out_dir`, then renamed into place (an
     existing `out_dir` is replaced as a whole), so an interrupted save leaves the previous
-    `out_dir` (or none), never a partial one.
+    `out_dir` (or none), never a partial one. `state_dict`: the weights to write in place of
+    the model's own (a sharded model's, gathered).
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +143,7 @@ def save_model(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state_dict)
         tokenizer.save_pretrained(str(tmp))
     except BaseException:  # KeyboardInterrupt too: a stopped role leaves no partial copy
         shutil.rmtree(tmp, ignore_errors=True)

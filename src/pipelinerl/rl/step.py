@@ -10,7 +10,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
 from pipelinerl.config import Config, EngineConfig, LossConfig, TrainerConfig
+from pipelinerl.parallel import idle_pass, is_sharded
 from pipelinerl.rl.advantages import groups_advantages, is_truncated
 from pipelinerl.rl.losses import (
     LossStats,
@@ -68,8 +71,10 @@ def rl_step(
                                    device=device)
     normalizer = _loss_normalizer(loss_cfg, batches, num_sequences, device)
     optimizer.zero_grad(set_to_none=True)
-    if not batches and world > 1:
-        _join_gradient_sync(model, device)
+    if not batches and world > 1 and not is_sharded(model):
+        idle_pass(model, device, backward=True)  # DDP's gradient all-reduce waits for every rank
+    for _ in range(len(batches), _passes(model, len(batches), device)):
+        _idle_micro_batch(model, ref_model, device)
     for i, batch in enumerate(batches):
         batch = batch.to(device)
         # DDP averages gradients over ranks; the loss is a sum over the whole step, so each
@@ -95,6 +100,8 @@ def rl_step(
         stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
                   clip_active, entropy=scores.entropy)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
     lr_scale = _sequence_ess(step_log_weights) ** 0.5 if loss_cfg.ess_lr_scale else 1.0
     # A non-finite gradient (the norm is over the synced gradients: every rank agrees) would
     # write NaN into the weights and Adam's moments for good: the step is skipped, counted.
@@ -122,12 +129,25 @@ def rl_step(
     }
 
 
-def _join_gradient_sync(model: torch.nn.Module, device: torch.device) -> None:
-    """A rank with nothing to train this step (every sample masked, e.g. truncated) still
-    takes part in DDP's gradient all-reduce, which the other ranks wait in: a forward over
-    one token whose loss is multiplied by 0 adds exactly nothing."""
-    out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-    (out.logits.sum() * 0.0).backward()
+def _passes(model: torch.nn.Module, n: int, device: torch.device) -> int:
+    """How many micro-batch passes this rank runs: its own `n`, or with a sharded model the
+    most any rank has, since every forward pass gathers weights from every rank."""
+    if not is_sharded(model) or not dist.is_initialized():
+        return n
+    most = torch.tensor([n], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
+def _idle_micro_batch(model: torch.nn.Module, ref_model: torch.nn.Module | None,
+                      device: torch.device) -> None:
+    """A sharded rank out of micro-batches runs the collectives of one more, in a real one's
+    order: the model's forward, the reference's (when the KL penalty uses it), the backward."""
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    logits = model(input_ids=token, use_cache=False).logits
+    if ref_model is not None:
+        idle_pass(ref_model, device, backward=False)
+    (logits.sum() * 0.0).backward()
 
 
 def _scoring(ec: EngineConfig) -> Scoring:
@@ -204,6 +224,8 @@ def _sequence_log_weights(model: torch.nn.Module, batches: list[PackedBatch], n:
     for batch in batches:
         batch = batch.to(device)
         _add_log_weights(log_weights, batch, score_tokens(module, batch, *scoring).logprobs)
+    for _ in range(len(batches), _passes(model, len(batches), device)):
+        idle_pass(module, device, backward=False)
     return log_weights.cpu()
 
 

@@ -2,13 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+if TYPE_CHECKING:
+    from pipelinerl.sync.shm import WeightLayout
+
+
+@runtime_checkable
+class StreamedWeights(Protocol):
+    """Weights handed over one tensor at a time, so the sender never holds them all at once.
+
+    `layout` (names, full shapes, dtypes, ties) is known up front; `tensors()` yields one tensor
+    per slot of the layout, in slot order, each needed only until the next is asked for. A
+    sharded trainer gathers each tensor on demand: a collective that every trainer rank runs
+    in the same order (`pipelinerl.parallel.GatheredWeights`).
+    """
+
+    layout: WeightLayout
+    device: torch.device  # where the yielded tensors live
+
+    def tensors(self) -> Iterator[torch.Tensor]: ...
+
+
+Weights = Mapping[str, torch.Tensor] | StreamedWeights
+
+
+def open_weights(weights: Weights, first: WeightLayout | None
+                 ) -> tuple[WeightLayout, Iterator[torch.Tensor], bool]:
+    """(layout, one tensor per slot in order, whether any is on a GPU) of a publish; a layout
+    that differs from the first publish's (`first`) raises."""
+    from pipelinerl.sync.shm import WeightLayout
+
+    if isinstance(weights, Mapping):
+        layout = first or WeightLayout.from_weights(weights)
+        sources = layout.sources(weights)
+        return layout, iter(sources), any(t.is_cuda for t in sources)
+    if first is not None and first.to_json() != weights.layout.to_json():
+        raise ValueError("weights differ from the layout of the first publish")
+    return weights.layout, weights.tensors(), weights.device.type == "cuda"
+
 
 class WeightSender(Protocol):
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, weights: Weights, version: int) -> None:
         """Make `weights` (Hugging Face names) available to every receiver as `version`."""
         ...
 

@@ -60,6 +60,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from pipelinerl.sync.base import Weights, open_weights
 from pipelinerl.sync.shm import WeightLayout
 
 logger = logging.getLogger(__name__)
@@ -277,16 +278,16 @@ class BroadcastWeightSender(_Channel):
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)  # quick when actors are quick, light when busy
 
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, weights: Weights, version: int) -> None:
         if self._broken is not None:
             raise RuntimeError(f"weight channel broken by an earlier failure: {self._broken}")
         if self._version is not None and version <= self._version:
             raise ValueError(f"version {version} is not newer than {self._version}")
         assert self.store is not None
+        layout, sources, _ = open_weights(weights, self._layout)
         if self._layout is None:
-            self._layout = WeightLayout.from_weights(weights)
-            self.store.set("manifest", self._layout.to_json())
-        sources = self._layout.sources(weights)
+            self._layout = layout
+            self.store.set("manifest", layout.to_json())
         t0 = time.perf_counter()
         self.store.set("version", str(version))
         self._await_actors(version)
@@ -305,29 +306,35 @@ class BroadcastWeightSender(_Channel):
             self.store.delete_key(f"go/{self._version}")
         self._version = version
 
-    def _send(self, sources: list[torch.Tensor], version: int) -> None:
+    def _send(self, sources: Iterator[torch.Tensor], version: int) -> None:
+        """Sources are taken one at a time, in slot order, each dropped once packed: a
+        streamed (gathered on demand) source is never held whole."""
         # The header tells receivers the version and how the weights follow (0: per tensor).
         bucket_bytes = 0 if self.per_parameter else self.bucket_bytes
         self._broadcast(torch.tensor([version, bucket_bytes], device=self.device), "the header")
+        n = len(self._layout.slots) if self._layout is not None else 0
         with torch.no_grad():
             if self.per_parameter:
                 for i, src in enumerate(sources):
-                    self._broadcast(src.to(self.device).contiguous(),
-                                    f"tensor {i + 1}/{len(sources)}")
+                    self._broadcast(src.to(self.device).contiguous(), f"tensor {i + 1}/{n}")
                 return
             buckets = self._plan(bucket_bytes)
             buffers = self._bucket_buffers(buckets)
-            flat = [src.reshape(-1) for src in sources]
+            current: tuple[int, torch.Tensor] = (-1, torch.empty(0))  # (slot, its flat source)
             in_flight: list[tuple[dist.Work, str] | None] = [None, None]
             for b, (nbytes, pieces) in enumerate(buckets):
                 if (pending := in_flight[b % 2]) is not None:
                     self._wait(pending)  # this buffer's previous bucket has been sent
                 buf = buffers[b % 2][:nbytes]
                 for p in pieces:
-                    dtype = sources[p.slot].dtype
+                    while current[0] != p.slot:  # in slot order; an empty slot has no piece
+                        current = (current[0] + 1, next(sources).reshape(-1))
+                    dtype = current[1].dtype
                     dst = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
-                    dst.copy_(flat[p.slot][p.start:p.start + p.numel])
+                    dst.copy_(current[1][p.start:p.start + p.numel])
                 in_flight[b % 2] = self._start(buf, f"bucket {b + 1}/{len(buckets)}")
+            for _ in sources:  # trailing empty slots: a gathering source still runs them
+                pass
             for pending in in_flight:
                 if pending is not None:
                     self._wait(pending)

@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipelinerl.sync.base import Weights, open_weights
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x504C524C_57543031  # "PLRLWT01": format version 1
@@ -303,16 +305,16 @@ class ShmWeightSender:
         self._mm, self._header, self._layout, self._data = mm, header, layout, data
         self._inode = (st.st_dev, st.st_ino)
 
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, weights: Weights, version: int) -> None:
         if self._version is not None and version <= self._version:
             raise ValueError(f"version {version} is not newer than {self._version}")
         t0 = time.perf_counter()
+        layout, sources, on_gpu = open_weights(weights, self._layout)
         if self._layout is None:
-            self._create(WeightLayout.from_weights(weights))
-        assert self._layout is not None and self._header is not None
-        sources = self._layout.sources(weights)
-        assert self._data is not None
-        self._page_lock.ensure(self._data, sources)
+            self._create(layout)
+        assert self._header is not None and self._data is not None
+        if on_gpu:
+            self._page_lock.ensure(self._data)
         header = self._header
         seq = int(header[_SEQ_I])
         header[_SEQ_I] = seq + 1  # odd: readers retry until the write is done
@@ -357,8 +359,8 @@ class _PageLock:
         self.ptr: int | None = None
         self.refused = False
 
-    def ensure(self, data: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        if self.ptr is not None or self.refused or not any(t.is_cuda for t in tensors):
+    def ensure(self, data: torch.Tensor) -> None:
+        if self.ptr is not None or self.refused:
             return
         err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), self.flags)
         if int(err) != 0:
@@ -475,7 +477,8 @@ class ShmWeightReceiver:
         assert self._layout is not None and self._header is not None
         dests = self._layout.bind(targets)
         assert self._data is not None
-        self._page_lock.ensure(self._data, [t for ts in dests for t in ts])
+        if any(t.is_cuda for ts in dests for t in ts):
+            self._page_lock.ensure(self._data)
         header = self._header
         deadline = time.monotonic() + self.timeout_s
         with torch.no_grad():

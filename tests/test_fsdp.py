@@ -1,0 +1,340 @@
+"""FSDP2 trainer (trainer.strategy=fsdp2) on real gloo process groups of 2 CPU ranks: a step
+equals a single process's, weights reach the channel gathered tensor by tensor, and sharded
+checkpoints resume on another number of ranks."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipelinerl.checkpoint import load_checkpoint, save_checkpoint
+from pipelinerl.config import Config, load_config
+from pipelinerl.parallel import GatheredWeights, is_sharded, wrap_model
+from pipelinerl.ports import free_port
+from pipelinerl.rl.schedule import make_scheduler
+from pipelinerl.rl.step import rl_step
+from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
+from pipelinerl.trainer import share_groups
+from pipelinerl.types import Group, Sample
+from tiny_models import VOCAB, tiny_hf_model
+
+torch.set_num_threads(1)
+SPAWN = mp.get_context("spawn")
+GROUP = 4
+
+
+def _cfg(*overrides: str) -> Config:
+    # fp32 compute and reductions: the comparison with one process is exact up to fp32 sums.
+    return load_config(overrides=[
+        f"actor.group_size={GROUP}", "trainer.batch_size=16", "trainer.max_tokens_per_row=24",
+        "trainer.lr=0.01", "trainer.strategy=fsdp2", "trainer.fsdp.param_dtype=float32",
+        "trainer.fsdp.reduce_dtype=float32", *overrides])
+
+
+def _groups(step: int) -> list[Group]:
+    """4 groups; groups 0 and 2 (rank 0's shard of 2) are long, 1 and 3 short, so the ranks
+    run different numbers of micro-batches (24 tokens per row)."""
+    g = torch.Generator().manual_seed(100 + step)
+    groups = []
+    for p in range(4):
+        samples = []
+        for j in range(GROUP):
+            n = (9 + 3 * j) if p % 2 == 0 else (1 + j)
+            tokens = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+            old = (-3.0 + 0.8 * torch.randn(n, generator=g)).tolist()
+            reward = float((j + p) % 2)
+            samples.append(Sample([1 + p, 2, 3], tokens, old, [step] * n, reward, reward > 0,
+                                  "stop", group_id=str(p)))
+        groups.append(Group(str(p), "prompt", samples))
+    return groups
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    # A large eps: Adam's update g / (|g| + eps) of a near-zero gradient would otherwise turn
+    # fp32 summation-order noise (sharded vs whole) into differences of the size of the lr.
+    return torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3)
+
+
+def _new_model() -> torch.nn.Module:
+    return tiny_hf_model("qwen2", seed=1).train()  # tied embeddings: a shared parameter
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, steps: range,
+           rank: int, world: int) -> list[dict[str, Any]]:
+    metrics = []
+    for step in steps:
+        shard = share_groups(_groups(step), rank, world) if world > 1 else _groups(step)
+        metrics.append(rl_step(model, optimizer, shard, cfg, step, num_sequences=16))
+    return metrics
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full weights by name, gathered tensor by tensor (every rank gets them here)."""
+    weights = GatheredWeights(model)
+    tensors = [t.clone() for t in weights.tensors()]
+    return {p.name: tensors[p.slot] for p in weights.layout.params}
+
+
+def _in_group(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
+              q: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        out = io.BytesIO()  # by value: tensors sent as such share memory that dies with us
+        torch.save(fn(rank, world, *args), out)
+        q.put((rank, out.getvalue()))
+    except BaseException:
+        q.put((rank, ("error", traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """`fn(rank, world, *args)` on `world` spawned ranks of one gloo group; their results."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q = SPAWN.Queue()
+    procs = [SPAWN.Process(target=_in_group, args=(r, world, init, fn, args, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r, out in results.items():
+        if isinstance(out, tuple):
+            raise AssertionError(f"rank {r} failed:\n{out[1]}")
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
+
+
+def _two_steps(rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], bool]:
+    cfg = _cfg()
+    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
+    optimizer = _adamw(model)
+    metrics = _train(model, optimizer, cfg, range(2), rank, world)
+    return _gathered(model), metrics, is_sharded(model)
+
+
+def test_two_rank_fsdp2_steps_equal_one_process() -> None:
+    (w0, m0, sharded), (w1, m1, _) = _run_ranks(2, _two_steps)
+    assert sharded
+    model = _new_model()
+    cfg = _cfg()
+    optimizer = _adamw(model)
+    # In one process rl_step takes the whole batch (no group, no sharding).
+    expected = _train(model, optimizer, cfg, range(2), 0, 1)
+    reference = model.state_dict()
+    assert w0.keys() == reference.keys()
+    for name, t in reference.items():
+        torch.testing.assert_close(w0[name], t, atol=2e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(w1[name], t, atol=2e-6, rtol=1e-5, msg=name)
+    for got, want in zip(m0, expected):
+        for key in ("loss", "grad_norm", "tokens", "ess", "lag_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    # Two AdamW steps at lr 0.01 moved every weight: the comparison is not trivially equal.
+    assert not torch.equal(w0["model.norm.weight"], _new_model().state_dict()["model.norm.weight"])
+
+
+def _bf16_step(rank: int, world: int) -> tuple[dict[str, torch.Tensor], float, set, set]:
+    cfg = load_config(overrides=[f"actor.group_size={GROUP}", "trainer.batch_size=16",
+                                 "trainer.max_tokens_per_row=24", "trainer.strategy=fsdp2"])
+    assert (cfg.trainer.fsdp.param_dtype, cfg.trainer.fsdp.reduce_dtype) == ("bfloat16",) * 2
+    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
+    optimizer = _adamw(model)
+    (metrics,) = _train(model, optimizer, cfg, range(1), rank, world)
+    master = {p.dtype for p in model.parameters()}
+    moments = {t.dtype for state in optimizer.state.values() for t in state.values() if t.ndim}
+    return _gathered(model), metrics["loss"], master, moments
+
+
+def test_fsdp2_bf16_mixed_precision_keeps_float32_master_weights() -> None:
+    (weights, loss, master, moments), _ = _run_ranks(2, _bf16_step)
+    assert master == {torch.float32} and moments == {torch.float32}
+    model = _new_model()
+    cfg = _cfg()
+    (expected,) = _train(model, _adamw(model), cfg, range(1), 0, 1)
+    # Computed in bf16 (8 bits of mantissa): near the float32 step, not equal to it; the
+    # update points the same way.
+    assert loss != expected["loss"] and loss == pytest.approx(expected["loss"], abs=0.15)
+    start = _new_model().state_dict()
+    names = list(start)
+    assert all(weights[n].dtype == torch.float32 for n in names)
+    update_bf16 = torch.cat([(weights[n] - start[n]).flatten() for n in names])
+    update_fp32 = torch.cat([(model.state_dict()[n] - start[n]).flatten() for n in names])
+    assert torch.nn.functional.cosine_similarity(update_bf16, update_fp32, dim=0) > 0.9
+
+
+def _publish_through_shm(rank: int, world: int, run_id: str) -> dict[str, torch.Tensor] | None:
+    cfg = _cfg()
+    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
+    _train(model, _adamw(model), cfg, range(1),
+           rank, world)
+    weights = GatheredWeights(model)
+    if rank == 0:
+        sender = ShmWeightSender(run_id)
+        sender.publish(weights, version=1)
+        receiver = ShmWeightReceiver(run_id)
+        targets = {k: torch.zeros_like(v) for k, v in _new_model().state_dict().items()}
+        assert receiver.receive_into(targets) == 1
+        receiver.close()
+        sender.close()
+    else:
+        weights.drain()
+    full = _gathered(model)
+    return {k: (targets[k], full[k]) for k in full} if rank == 0 else None
+
+
+def test_fsdp2_weights_reach_the_channel_gathered_per_tensor() -> None:
+    received, _ = _run_ranks(2, _publish_through_shm, f"test-{uuid.uuid4().hex[:12]}")
+    assert len(received) == len(_new_model().state_dict())
+    for name, (got, full) in received.items():
+        assert torch.equal(got, full), name
+
+
+def _save_after_one_step(rank: int, world: int, run_dir: str) -> dict[str, torch.Tensor]:
+    cfg = _cfg()
+    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
+    optimizer = _adamw(model)
+    scheduler = make_scheduler(optimizer, cfg.trainer)
+    _train(model, optimizer, cfg, range(1), rank, world)
+    scheduler.step()
+    save_checkpoint(Path(run_dir), 1, model, _NoTokenizer(), optimizer, scheduler,
+                    {"marker": rank}, keep=2)
+    # And on, without a resume: the weights after step 2.
+    _train(model, optimizer, cfg, range(1, 2), rank, world)
+    return _gathered(model)
+
+
+def _resume_and_step(rank: int, world: int, checkpoint: str) -> tuple[dict[str, torch.Tensor], dict]:
+    cfg = _cfg()
+    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
+    optimizer = _adamw(model)
+    scheduler = make_scheduler(optimizer, cfg.trainer)
+    state = load_checkpoint(Path(checkpoint), model, optimizer, scheduler)
+    _train(model, optimizer, cfg, range(1, 2), rank, world)
+    return _gathered(model), state
+
+
+class _NoTokenizer:
+    def save_pretrained(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def test_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path: Path) -> None:
+    uninterrupted, _ = _run_ranks(2, _save_after_one_step, str(tmp_path))
+    checkpoint = tmp_path / "checkpoints" / "step_00000001"
+    assert (checkpoint / "dcp" / ".metadata").exists() and (checkpoint / "state.json").exists()
+    assert not list((checkpoint / "model").glob("*.safetensors"))  # the weights are in dcp/
+    # One rank resumes the 2-rank checkpoint (weights and AdamW moments resharded) and its
+    # next step lands where the 2 ranks went on without stopping.
+    (resumed, state), = _run_ranks(1, _resume_and_step, str(checkpoint))
+    assert state["step"] == 1 and state["marker"] == 0  # rank 0's state.json
+    for name, t in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], t, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path) -> None:
+    model = _new_model()
+    optimizer = _adamw(model)
+    scheduler = make_scheduler(optimizer, _cfg().trainer)
+    path = save_checkpoint(tmp_path, 1, model, _NoTokenizer(), optimizer, scheduler, {}, keep=1)
+
+    (message,) = _run_ranks(1, _load_expecting_error, str(path))
+    assert "trainer.strategy=ddp" in message and "fsdp2" in message
+
+
+def _load_expecting_error(rank: int, world: int, checkpoint: str) -> str:
+    cfg = _cfg()
+    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
+    optimizer = _adamw(model)
+    try:
+        load_checkpoint(Path(checkpoint), model, optimizer, make_scheduler(optimizer, cfg.trainer))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp2_config_rules() -> None:
+    with pytest.raises(Exception, match="LoRA"):
+        load_config(overrides=["trainer.strategy=fsdp2", "model.lora.rank=4"])
+    with pytest.raises(Exception, match="cpu_offload"):
+        load_config(overrides=["trainer.strategy=fsdp2", "trainer.fsdp.cpu_offload=true"])
+
+
+@pytest.mark.slow
+def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
+    """Through the CLI: 2 FSDP2 trainer ranks (torchrun) train and checkpoint; `--resume`
+    extends the finished run on 1 rank from the sharded checkpoint; the audit finds every
+    group trained once and the final model loads with Hugging Face."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
+    run_dir = tmp_path / "runs" / "fsdp"
+    args = ["name=fsdp", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={tmp_path / 'cache'}",
+            "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16", "actor.group_size=4",
+            "trainer.batch_size=16", "metrics.progress=false", "metrics.plot=false",
+            "trainer.strategy=fsdp2", "trainer.checkpoint_every_steps=3",
+            # The entropy bonus moves the weights even when no group's rewards differ.
+            "trainer.loss.entropy_coef=0.01", "trainer.lr=1e-3"]
+
+    def train(*extra: str) -> None:
+        out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "train", str(example),
+                              *args, *extra], capture_output=True, text=True, timeout=400)
+        assert out.returncode == 0, out.stderr[-4000:]
+
+    train("trainer.max_steps=4", "trainer.num_procs=2")
+    assert (run_dir / "checkpoints" / "step_00000004" / "dcp" / ".metadata").exists()
+    train("trainer.max_steps=7", "trainer.num_procs=1", "--resume")
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 8))
+    out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "audit", str(run_dir)],
+                         capture_output=True, text=True, timeout=120)
+    counts = re.search(r"trained (\d+) dropped \d+ lost (\d+) duplicated (\d+)", out.stdout)
+    assert counts and counts.groups() == ("28", "0", "0") and out.returncode == 0, out.stdout
+    # final/ (gathered to rank 0) holds what the last sharded checkpoint holds, and it trained.
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(
+        next(p for p in (tmp_path / "cache").iterdir() if (p / "config.json").exists())).state_dict()
+    dcp_to_torch_save(run_dir / "checkpoints" / "step_00000007" / "dcp", tmp_path / "last.pt")
+    last = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
+    for name, t in last.items():
+        assert torch.equal(final[name], t), name
+    assert not torch.equal(final["model.norm.weight"], start["model.norm.weight"])
+
+
+def test_activation_checkpointing_gives_the_same_step() -> None:
+    """trainer.activation_checkpointing recomputes each layer in the backward pass: the same
+    loss and gradients, fewer activations kept."""
+    grads = []
+    for on in (False, True):
+        cfg = load_config(overrides=[f"actor.group_size={GROUP}", "trainer.batch_size=16",
+                                     "trainer.max_tokens_per_row=24",
+                                     f"trainer.activation_checkpointing={str(on).lower()}"])
+        model = wrap_model(_new_model(), cfg.trainer, "cpu", 1)
+        calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        metrics = rl_step(model, torch.optim.SGD(model.parameters(), lr=0.0), _groups(0), cfg, 0)
+        grads.append((metrics["loss"], [p.grad.clone() for p in model.parameters()], len(calls)))
+    (loss_off, off, calls_off), (loss_on, on_, calls_on) = grads
+    assert calls_on == 2 * calls_off  # each micro-batch's layer ran again in the backward
+    assert loss_on == pytest.approx(loss_off, rel=1e-6)
+    for a, b in zip(off, on_):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
