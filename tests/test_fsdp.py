@@ -338,3 +338,24 @@ def test_activation_checkpointing_gives_the_same_step() -> None:
     assert loss_on == pytest.approx(loss_off, rel=1e-6)
     for a, b in zip(off, on_):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_scaling_doc_shows_the_estimates_table() -> None:
+    """docs/scaling.md's memory table is what docs/memory_estimate.py computes."""
+    import importlib.util
+    import re
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("memory_estimate", root / "docs" / "memory_estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["memory_estimate"] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    doc = (root / "docs" / "scaling.md").read_text()
+    shown = re.search(r"<!-- memory-table -->\n(.*?)\n<!-- /memory-table -->", doc, re.S)
+    assert shown and shown.group(1) == module.table()
+    # Spot-check the arithmetic: 16 bytes per parameter under DDP, a 64th of it under FSDP2 x64.
+    seven = next(m for m in module.MODELS if m.name == "7B")
+    assert abs(seven.params - 7.62e9) < 0.01e9  # Qwen2.5-7B's published size
+    state = module.per_gpu(seven, "ddp", 1) - module.activations(seven, 4, False)
+    assert state == 16 * seven.params
