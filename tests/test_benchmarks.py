@@ -41,7 +41,7 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
     ("script", "section", "table_header"),
     [
         ("engine.py", "engine", "| model | params | torch engine tok/s"),
-        ("trainer.py", "trainer", "| model | params | padded tok/s"),
+        ("trainer.py", "trainer", "| model | params | path | tok/s"),
         ("weight_sync.py", "weight_sync", "| params | MB | channel"),
         ("scoring.py", "scoring", "| verifier | verifier processes"),
     ],

@@ -119,32 +119,48 @@ def _run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
 
 
-def _two_steps(rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]], bool]:
+def _two_steps(rank: int, world: int, run_id: str) -> dict[str, Any]:
+    """Two steps; then rank 0 publishes the weights through the shared-memory channel while
+    the other rank takes part in each tensor's gather."""
     cfg = _cfg()
     model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
-    optimizer = _adamw(model)
-    metrics = _train(model, optimizer, cfg, range(2), rank, world)
-    return _gathered(model), metrics, is_sharded(model)
+    metrics = _train(model, _adamw(model), cfg, range(2), rank, world)
+    weights = GatheredWeights(model)
+    received = None
+    if rank == 0:
+        sender = ShmWeightSender(run_id)
+        sender.publish(weights, version=2)
+        receiver = ShmWeightReceiver(run_id)
+        received = {k: torch.zeros_like(v) for k, v in _new_model().state_dict().items()}
+        assert receiver.receive_into(received) == 2
+        receiver.close()
+        sender.close()
+    else:
+        weights.drain()
+    return {"weights": _gathered(model), "metrics": metrics, "sharded": is_sharded(model),
+            "received": received}
 
 
-def test_two_rank_fsdp2_steps_equal_one_process() -> None:
-    (w0, m0, sharded), (w1, m1, _) = _run_ranks(2, _two_steps)
-    assert sharded
+def test_two_rank_fsdp2_steps_equal_one_process_and_publish_whole_weights() -> None:
+    rank0, rank1 = _run_ranks(2, _two_steps, f"test-{uuid.uuid4().hex[:12]}")
+    assert rank0["sharded"]
     model = _new_model()
     cfg = _cfg()
-    optimizer = _adamw(model)
     # In one process rl_step takes the whole batch (no group, no sharding).
-    expected = _train(model, optimizer, cfg, range(2), 0, 1)
+    expected = _train(model, _adamw(model), cfg, range(2), 0, 1)
     reference = model.state_dict()
-    assert w0.keys() == reference.keys()
+    assert rank0["weights"].keys() == reference.keys()
     for name, t in reference.items():
-        torch.testing.assert_close(w0[name], t, atol=2e-6, rtol=1e-5, msg=name)
-        torch.testing.assert_close(w1[name], t, atol=2e-6, rtol=1e-5, msg=name)
-    for got, want in zip(m0, expected):
+        for rank in (rank0, rank1):
+            torch.testing.assert_close(rank["weights"][name], t, atol=2e-6, rtol=1e-5, msg=name)
+        # What the channel delivered is exactly the gathered weights.
+        assert torch.equal(rank0["received"][name], rank0["weights"][name]), name
+    for got, want in zip(rank0["metrics"], expected):
         for key in ("loss", "grad_norm", "tokens", "ess", "lag_mean"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     # Two AdamW steps at lr 0.01 moved every weight: the comparison is not trivially equal.
-    assert not torch.equal(w0["model.norm.weight"], _new_model().state_dict()["model.norm.weight"])
+    start = _new_model().state_dict()["model.norm.weight"]
+    assert not torch.equal(rank0["weights"]["model.norm.weight"], start)
 
 
 def _bf16_step(rank: int, world: int) -> tuple[dict[str, torch.Tensor], float, set, set]:
@@ -176,33 +192,6 @@ def test_fsdp2_bf16_mixed_precision_keeps_float32_master_weights() -> None:
     assert torch.nn.functional.cosine_similarity(update_bf16, update_fp32, dim=0) > 0.9
 
 
-def _publish_through_shm(rank: int, world: int, run_id: str) -> dict[str, torch.Tensor] | None:
-    cfg = _cfg()
-    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
-    _train(model, _adamw(model), cfg, range(1),
-           rank, world)
-    weights = GatheredWeights(model)
-    if rank == 0:
-        sender = ShmWeightSender(run_id)
-        sender.publish(weights, version=1)
-        receiver = ShmWeightReceiver(run_id)
-        targets = {k: torch.zeros_like(v) for k, v in _new_model().state_dict().items()}
-        assert receiver.receive_into(targets) == 1
-        receiver.close()
-        sender.close()
-    else:
-        weights.drain()
-    full = _gathered(model)
-    return {k: (targets[k], full[k]) for k in full} if rank == 0 else None
-
-
-def test_fsdp2_weights_reach_the_channel_gathered_per_tensor() -> None:
-    received, _ = _run_ranks(2, _publish_through_shm, f"test-{uuid.uuid4().hex[:12]}")
-    assert len(received) == len(_new_model().state_dict())
-    for name, (got, full) in received.items():
-        assert torch.equal(got, full), name
-
-
 def _save_after_one_step(rank: int, world: int, run_dir: str) -> dict[str, torch.Tensor]:
     cfg = _cfg()
     model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
@@ -217,14 +206,20 @@ def _save_after_one_step(rank: int, world: int, run_dir: str) -> dict[str, torch
     return _gathered(model)
 
 
-def _resume_and_step(rank: int, world: int, checkpoint: str) -> tuple[dict[str, torch.Tensor], dict]:
+def _resume_and_step(rank: int, world: int, checkpoint: str, ddp_checkpoint: str
+                     ) -> tuple[dict[str, torch.Tensor], dict, str]:
     cfg = _cfg()
     model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
     optimizer = _adamw(model)
     scheduler = make_scheduler(optimizer, cfg.trainer)
+    try:
+        load_checkpoint(Path(ddp_checkpoint), model, optimizer, scheduler)
+        refusal = "no error"
+    except ValueError as e:
+        refusal = str(e)
     state = load_checkpoint(Path(checkpoint), model, optimizer, scheduler)
     _train(model, optimizer, cfg, range(1, 2), rank, world)
-    return _gathered(model), state
+    return _gathered(model), state, refusal
 
 
 class _NoTokenizer:
@@ -237,33 +232,17 @@ def test_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path: Path) -
     checkpoint = tmp_path / "checkpoints" / "step_00000001"
     assert (checkpoint / "dcp" / ".metadata").exists() and (checkpoint / "state.json").exists()
     assert not list((checkpoint / "model").glob("*.safetensors"))  # the weights are in dcp/
+    model = _new_model()  # and a DDP (whole-model) checkpoint, which FSDP2 must refuse
+    optimizer = _adamw(model)
+    ddp = save_checkpoint(tmp_path / "ddp", 1, model, _NoTokenizer(), optimizer,
+                          make_scheduler(optimizer, _cfg().trainer), {}, keep=1)
     # One rank resumes the 2-rank checkpoint (weights and AdamW moments resharded) and its
     # next step lands where the 2 ranks went on without stopping.
-    (resumed, state), = _run_ranks(1, _resume_and_step, str(checkpoint))
+    (resumed, state, refusal), = _run_ranks(1, _resume_and_step, str(checkpoint), str(ddp))
     assert state["step"] == 1 and state["marker"] == 0  # rank 0's state.json
     for name, t in uninterrupted.items():
         torch.testing.assert_close(resumed[name], t, atol=2e-6, rtol=1e-5, msg=name)
-
-
-def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path) -> None:
-    model = _new_model()
-    optimizer = _adamw(model)
-    scheduler = make_scheduler(optimizer, _cfg().trainer)
-    path = save_checkpoint(tmp_path, 1, model, _NoTokenizer(), optimizer, scheduler, {}, keep=1)
-
-    (message,) = _run_ranks(1, _load_expecting_error, str(path))
-    assert "trainer.strategy=ddp" in message and "fsdp2" in message
-
-
-def _load_expecting_error(rank: int, world: int, checkpoint: str) -> str:
-    cfg = _cfg()
-    model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
-    optimizer = _adamw(model)
-    try:
-        load_checkpoint(Path(checkpoint), model, optimizer, make_scheduler(optimizer, cfg.trainer))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    assert "written with trainer.strategy=ddp" in refusal and "runs fsdp2" in refusal
 
 
 def test_fsdp2_config_rules() -> None:
@@ -275,9 +254,10 @@ def test_fsdp2_config_rules() -> None:
 
 @pytest.mark.slow
 def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
-    """Through the CLI: 2 FSDP2 trainer ranks (torchrun) train and checkpoint; `--resume`
-    extends the finished run on 1 rank from the sharded checkpoint; the audit finds every
-    group trained once and the final model loads with Hugging Face."""
+    """Through the CLI: 2 FSDP2 trainer ranks (torchrun) train and checkpoint; a resume that
+    changes the batch shape is refused; `--resume` extends the finished run on 1 rank from the
+    sharded checkpoint; the audit finds every group trained once and the final model loads
+    with Hugging Face. (A DDP run resumed from a crash: tests/test_reliability.py.)"""
     import json
     import re
     import subprocess
@@ -295,13 +275,17 @@ def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
             # The entropy bonus moves the weights even when no group's rewards differ.
             "trainer.loss.entropy_coef=0.01", "trainer.lr=1e-3"]
 
-    def train(*extra: str) -> None:
+    def train(*extra: str, ok: bool = True) -> str:
         out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "train", str(example),
                               *args, *extra], capture_output=True, text=True, timeout=400)
-        assert out.returncode == 0, out.stderr[-4000:]
+        assert (out.returncode == 0) == ok, out.stderr[-4000:]
+        return out.stderr
 
     train("trainer.max_steps=4", "trainer.num_procs=2")
     assert (run_dir / "checkpoints" / "step_00000004" / "dcp" / ".metadata").exists()
+    # A resume that changes the batch shape is refused before anything starts, naming it.
+    err = train("trainer.max_steps=7", "trainer.batch_size=32", "--resume", ok=False)
+    assert "trainer.batch_size: 16 then, 32 now" in err
     train("trainer.max_steps=7", "trainer.num_procs=1", "--resume")
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 8))

@@ -7,10 +7,12 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from pipelinerl.rl.attention import use_per_sequence_attention
 from pipelinerl.rl.losses import reinforce_tis_loss
 from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, token_logprobs
 from pipelinerl.types import Sample
-from tiny_models import reference_truncation
+from tiny_models import ARCHS, reference_truncation, tiny_hf_model
+from tiny_models import VOCAB as VOCAB_HF
 
 torch.set_num_threads(1)
 
@@ -36,10 +38,14 @@ def tiny_model(attn: str) -> Qwen2ForCausalLM:
 
 
 def make_samples() -> list[Sample]:
+    return make_samples_for(VOCAB)
+
+
+def make_samples_for(vocab: int) -> list[Sample]:
     g = torch.Generator().manual_seed(1)
     samples = []
     for k, (p, c) in enumerate(SHAPES):
-        ids = torch.randint(0, VOCAB, (p + c,), generator=g).tolist()
+        ids = torch.randint(0, vocab, (p + c,), generator=g).tolist()
         samples.append(
             Sample(
                 prompt_ids=ids[:p],
@@ -143,6 +149,8 @@ def test_pad_layout() -> None:
         ("eager", 0.7, 3, 0, 1.0),
         ("sdpa", 0.7, None, 10, 0.8),
         ("sdpa", 1.3, 3, 0, 0.6),
+        ("per_sequence", 1.0, None, 0, 1.0),
+        ("per_sequence", 0.7, 3, 10, 0.8),
     ],
 )
 def test_packed_and_padded_match_unpacked(
@@ -187,6 +195,33 @@ def test_packed_gradient_matches_padded(top_k: int, top_p: float) -> None:
     torch.testing.assert_close(step_grad(packed), want, atol=1e-6, rtol=0)
     # the chunked (memory-bounded) log-prob path gives the same gradient
     torch.testing.assert_close(step_grad(packed, chunk=4), want, atol=1e-6, rtol=0)
+    # and so does attention within each packed sequence (trainer.packed_attention)
+    use_per_sequence_attention(model)
+    torch.testing.assert_close(step_grad(packed), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_sequence_attention_matches_the_masked_row(arch: str) -> None:
+    """Every supported family (GQA, q/k norms, head_dim != hidden/heads, a sliding window
+    longer than the rows): attending per sequence gives the masked row's log-probs."""
+    samples = make_samples_for(VOCAB_HF)
+    batches = pack(samples, [0.0] * len(samples), 40)
+    assert any(len(b.seq_idx.unique()) > 2 for b in batches)  # rows of several sequences
+    model = tiny_hf_model(arch)
+    with torch.no_grad():
+        want = [token_logprobs(model, b) for b in batches]
+        use_per_sequence_attention(model)
+        got = [token_logprobs(model, b) for b in batches]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+def test_per_sequence_attention_refuses_a_sequence_beyond_the_sliding_window() -> None:
+    samples = make_samples_for(VOCAB_HF)
+    model = tiny_hf_model("mistral", sliding_window=8)
+    use_per_sequence_attention(model)
+    with pytest.raises(ValueError, match="sliding window"):
+        token_logprobs(model, pack(samples, [0.0] * len(samples), 40)[0])
 
 
 @pytest.mark.parametrize("truncation", [None, (3, 1.0), (0, 0.7), (4, 0.6)])

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from pipelinerl.config import Config
 from pipelinerl.parallel import GatheredWeights, full_state_dict, is_sharded, shard_frozen, wrap_model
+from pipelinerl.rl.attention import use_per_sequence_attention
 from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import WeightSender
@@ -231,11 +232,13 @@ class Trainer:
 
             if is_sharded(model):
                 ref = load_model(cfg.model.path, dtype=torch.float32, device="cpu").eval()
-                self.ref_model = shard_frozen(ref, tc.fsdp, tc.device)
             else:
                 param = next(model.parameters())
-                self.ref_model = load_model(cfg.model.path, dtype=param.dtype, device=param.device)
-                self.ref_model.eval().requires_grad_(False)
+                ref = load_model(cfg.model.path, dtype=param.dtype, device=param.device).eval()
+            if tc.packing and tc.packed_attention == "per_sequence":
+                use_per_sequence_attention(ref)
+            self.ref_model = (shard_frozen(ref, tc.fsdp, tc.device) if is_sharded(model)
+                              else ref.requires_grad_(False))
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
         self.samples_trained = 0
         self.started_at = time.monotonic()
@@ -454,16 +457,12 @@ def share_groups(groups: list[Group] | None, rank: int, world: int) -> list[Grou
     return [Group.from_dict(d) for d in payload[0][rank::world]]
 
 
-def _out_of_time(cfg: Config, trainer: Trainer, rank: int, world: int, device: str) -> bool:
+def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool:
     """The wall-clock budget is rank 0's call, so every rank stops after the same step."""
     if not cfg.trainer.max_time_s:
         return False
-    # On the trainer's device: NCCL broadcasts no CPU tensor.
-    over = torch.tensor([float(time.monotonic() - trainer.started_at > cfg.trainer.max_time_s)],
-                        device=device)
-    if world > 1:
-        dist.broadcast(over, src=0)
-    return bool(over.item())
+    over = time.monotonic() - trainer.started_at > cfg.trainer.max_time_s
+    return _rank0_says(over, device) if world > 1 else over
 
 
 def run_trainer(cfg: Config) -> None:
@@ -512,6 +511,8 @@ def run_trainer(cfg: Config) -> None:
 
         model = apply_lora(model, cfg.model.lora)
     model.train()
+    if cfg.trainer.packing and cfg.trainer.packed_attention == "per_sequence":
+        use_per_sequence_attention(model)
     wrapped = wrap_model(model, cfg.trainer, device, world)
     sharded = is_sharded(wrapped)
     source = sender = control = evals = None
@@ -548,7 +549,7 @@ def run_trainer(cfg: Config) -> None:
     bar = progress_bar(cfg, enabled=cfg.metrics.progress and is_main)
     stop_written = False
     try:
-        while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, rank, world, device):
+        while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, world, device):
             groups = next(batches) if batches is not None else None
             shard = share_groups(groups, rank, world)
             metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)

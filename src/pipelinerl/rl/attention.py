@@ -1,0 +1,86 @@
+"""Attention within each packed sequence only (`trainer.packed_attention=per_sequence`).
+
+A packed row holds several sequences, position_ids restarting at 0 for each
+(`pipelinerl.rl.packing`). transformers' sdpa path attends over the whole row under a
+block-diagonal mask: the work grows with the square of the row's length, although each token
+sees only its own sequence. This attention function runs one causal SDPA per sequence instead
+(its segment of the row), so the work grows with the squares of the sequences' lengths. It is
+registered with transformers' `AttentionInterface` under `per_sequence`; its mask function
+builds no mask for packed rows (the segments are the mask), and anything else (a padding mask,
+one query at a time, a cache) goes to transformers' own sdpa function unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "per_sequence"
+
+# The segments of the last position_ids seen: every layer of one forward gets the same tensor,
+# so they are found once per forward (on a GPU, without a host sync per layer).
+_last: tuple[Tensor, list[list[tuple[int, int]]]] | None = None
+
+
+def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, (start, end) of each sequence: a new one wherever the position does not
+    continue the previous by one."""
+    global _last
+    if _last is not None and _last[0] is position_ids:
+        return _last[1]
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    length = position_ids.shape[1]
+    rows = []
+    for row in starts.cpu():
+        begin = row.nonzero().flatten().tolist()
+        rows.append(list(zip(begin, begin[1:] + [length])))
+    _last = (position_ids, rows)
+    return rows
+
+
+def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Tensor | None, dropout: float = 0.0,
+                           scaling: float | None = None, position_ids: Tensor | None = None,
+                           **kwargs) -> tuple[Tensor, None]:
+    """query (B, H, L, D), key and value (B, H_kv, L, D) -> (B, L, H, D), as transformers'
+    attention functions return."""
+    if (attention_mask is not None or position_ids is None or query.shape[2] == 1
+            or key.shape[2] != query.shape[2]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, position_ids=position_ids, **kwargs)
+    gqa = key.shape[1] != query.shape[1]
+    rows = []
+    per_row = _segments(position_ids.expand(query.shape[0], -1))
+    window = kwargs.get("sliding_window")
+    if window is not None and max(e - s for segments in per_row for s, e in segments) > window:
+        raise ValueError(f"trainer.packed_attention=per_sequence: a sequence is longer than this "
+                         f"model's sliding window ({window} tokens), which it does not apply; "
+                         "use trainer.packed_attention=masked_row")
+    for b, segments in enumerate(per_row):
+        rows.append(torch.cat([
+            torch.nn.functional.scaled_dot_product_attention(
+                query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
+                dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+            for s, e in segments], dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def _mask(attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
+    """No mask for unpadded rows (packed or not: causal within each segment); with a padding
+    mask, sdpa's own, which sends the layer to sdpa."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(NAME, per_sequence_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
+
+
+def use_per_sequence_attention(model: nn.Module) -> None:
+    """Make `model` (a Hugging Face causal LM) attend within each packed sequence only."""
+    model.set_attn_implementation(NAME)
