@@ -280,6 +280,7 @@ def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
             "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16", "actor.group_size=4",
             "trainer.batch_size=16", "metrics.progress=false", "metrics.plot=false",
             "trainer.strategy=fsdp2", "trainer.checkpoint_every_steps=3",
+            "trainer.packed_attention=per_sequence",  # what a long-context user would pick
             # The entropy bonus moves the weights even when no group's rewards differ.
             "trainer.loss.entropy_coef=0.01", "trainer.lr=1e-3"]
 

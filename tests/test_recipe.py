@@ -374,7 +374,9 @@ def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
     monkeypatch.setattr(step_module, "rl_step", fake_rl_step)
     off = Trainer(load_config(overrides=["model.path=start"]), torch.nn.Linear(1, 1), None, None)
     assert off.ref_model is None and loaded == []
-    on = Trainer(load_config(overrides=["model.path=start", "trainer.loss.kl_coef=0.05"]),
+    # masked_row: the stand-in reference (a Linear) has no attention to set.
+    on = Trainer(load_config(overrides=["model.path=start", "trainer.loss.kl_coef=0.05",
+                                        "trainer.packed_attention=masked_row"]),
                  torch.nn.Linear(1, 1), None, None)
     assert loaded == [("start", torch.float32, torch.device("cpu"))]
     assert not on.ref_model.training

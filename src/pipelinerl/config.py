@@ -189,13 +189,13 @@ class TrainerConfig(_Section):
     grad_clip: float = Field(default=1.0, gt=0)
     publish_every: int = Field(default=1, gt=0, description="optimizer steps between weight pushes")
     packing: bool = True
-    # 256 measured fastest on CPU (benchmarks/RESULTS.md, trainer): attention cost grows with
-    # the square of the row, padding waste with its shortness.
-    max_tokens_per_row: int = Field(default=256, gt=0)
     # How a packed row is attended: masked_row = transformers' sdpa over the whole row under a
     # block-diagonal mask (work ~ row length squared); per_sequence = one causal SDPA per
     # packed sequence (work ~ the sequences' lengths squared; pipelinerl.rl.attention).
-    packed_attention: Literal["masked_row", "per_sequence"] = "masked_row"
+    # per_sequence with rows of 1024 measured fastest on CPU (benchmarks/RESULTS.md, trainer:
+    # 1.56x / 1.90x a padded loop against masked rows of 256's 1.26x / 1.86x).
+    max_tokens_per_row: int = Field(default=1024, gt=0)
+    packed_attention: Literal["masked_row", "per_sequence"] = "per_sequence"
     threads: int = Field(default=1, gt=0, description="torch threads for each trainer process")
     num_procs: int = Field(default=1, gt=0, description="trainer ranks on this machine (torchrun)")
     device: str = "cpu"
