@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from pipelinerl.config import Config
 from pipelinerl.parallel import GatheredWeights, full_state_dict, is_sharded, shard_frozen, wrap_model
-from pipelinerl.rl.attention import use_per_sequence_attention
+from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import WeightSender
@@ -235,8 +235,7 @@ class Trainer:
             else:
                 param = next(model.parameters())
                 ref = load_model(cfg.model.path, dtype=param.dtype, device=param.device).eval()
-            if tc.packing and tc.packed_attention == "per_sequence":
-                use_per_sequence_attention(ref)
+            set_packed_attention(ref, tc)
             self.ref_model = (shard_frozen(ref, tc.fsdp, tc.device) if is_sharded(model)
                               else ref.requires_grad_(False))
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
@@ -511,8 +510,7 @@ def run_trainer(cfg: Config) -> None:
 
         model = apply_lora(model, cfg.model.lora)
     model.train()
-    if cfg.trainer.packing and cfg.trainer.packed_attention == "per_sequence":
-        use_per_sequence_attention(model)
+    set_packed_attention(model, cfg.trainer)
     wrapped = wrap_model(model, cfg.trainer, device, world)
     sharded = is_sharded(wrapped)
     source = sender = control = evals = None

@@ -18,6 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from pipelinerl.config import TrainerConfig
+
 NAME = "per_sequence"
 
 # The segments of the last position_ids seen: every layer of one forward gets the same tensor,
@@ -84,3 +86,9 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
 def use_per_sequence_attention(model: nn.Module) -> None:
     """Make `model` (a Hugging Face causal LM) attend within each packed sequence only."""
     model.set_attn_implementation(NAME)
+
+
+def set_packed_attention(model: nn.Module, tc: TrainerConfig) -> None:
+    """`trainer.packed_attention` on a model the trainer scores packed rows with."""
+    if tc.packing and tc.packed_attention == "per_sequence":
+        use_per_sequence_attention(model)

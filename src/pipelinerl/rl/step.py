@@ -9,7 +9,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor
 
 from pipelinerl.config import Config, EngineConfig, LossConfig, TrainerConfig
