@@ -63,20 +63,25 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
-def environment(load_at_start: tuple[float, float, float]) -> str:
-    """Markdown lines: command, machine, torch, date, and the load average seen at start."""
+def environment(load_at_start: tuple[float, float, float] | None) -> str:
+    """Markdown lines: command, machine, torch, date, and the load average seen at start (None:
+    the figures come from runs made earlier, whose load this command did not see)."""
     cores = os.cpu_count() or 0
-    load = ", ".join(f"{x:.2f}" for x in load_at_start)
-    # More runnable work than the benchmark's own single thread means other jobs competed.
-    busy = load_at_start[0] > 1.0
-    note = " (other work was running: figures are lower and noisier than on a quiet machine)" if busy else ""
+    if load_at_start is None:
+        load_line = "- load average: not this command's (it reports runs made earlier)\n"
+    else:
+        # More runnable work than the benchmark's own single thread means other jobs competed.
+        busy = load_at_start[0] > 1.0
+        note = " (other work was running: figures are lower and noisier than on a quiet machine)" if busy else ""
+        load = ", ".join(f"{x:.2f}" for x in load_at_start)
+        load_line = f"- load average at start (1/5/15 min): {load}{note}\n"
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     return (
         f"- command: `{command}`\n"
         f"- machine: {cpu_model()}, {cores} cores; torch {torch.__version__}, python "
         f"{platform.python_version()}; 1 torch thread per process\n"
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n"
-        f"- load average at start (1/5/15 min): {load}{note}\n"
+        + load_line
     )
 
 

@@ -166,6 +166,9 @@ class Run:
             record = json.loads((run_dir / RUN_RECORD).read_text())
         return cls([r for r in records if "eval/version" not in r], evals, record or {})
 
+    def seed(self, default: int) -> int:
+        return self.record.get("seed", default)
+
     def time_to(self, target: float) -> float | None:
         return next((r["time_s"] for r in self.evals if r[PASS1] >= target), None)
 
@@ -285,6 +288,17 @@ def ratio_interval(num: list[float], den: list[float]) -> tuple[float, float]:
     return float(ratio * math.exp(-q * se)), float(ratio * math.exp(q * se))
 
 
+def paired_ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float, float]:
+    """Geometric mean over the seeds in both of num[s] / den[s], with the 95% t interval of
+    the mean log ratio: a seed's modes ran back to back, so the machine's state that seed (its
+    speed drifts between hours) cancels in each ratio. NaN bounds below two seeds."""
+    logs = [math.log(num[s] / den[s]) for s in sorted(num.keys() & den.keys())]
+    if not logs:
+        return math.nan, math.nan, math.nan
+    mean, lo, hi = t_interval(logs)
+    return math.exp(mean), math.exp(lo), math.exp(hi)
+
+
 @dataclass
 class Speedup:
     against: str  # the reference mode
@@ -332,6 +346,20 @@ def per_seed(runs: list[Run], fn: Callable[[Run], float | None]) -> list[float]:
     return [v for v in map(fn, runs) if v is not None]
 
 
+def times_by_seed(runs: list[Run], target: float) -> dict[int, float]:
+    """Time to target by seed, for the seeds that reached it."""
+    return {r.seed(i): t for i, r in enumerate(runs) if (t := r.time_to(target)) is not None}
+
+
+def paired_detail(result: Speedup, results: dict[str, list[Run]], target: float) -> str:
+    ratio, lo, hi = paired_ratio(times_by_seed(results[result.against], target),
+                                 times_by_seed(results[PIPELINE], target))
+    if math.isnan(lo):
+        return ""
+    return (f"; paired by seed (geometric mean of each seed's ratio): {ratio:.1f}x, 95% interval "
+            f"{lo:.1f}x-{hi:.1f}x")
+
+
 def headline(versus: str, result: Speedup | str, results: dict[str, list[Run]],
              target: float) -> list[str]:
     head = f"Learning speed-up (pipeline vs {versus}): "
@@ -347,7 +375,8 @@ def headline(versus: str, result: Speedup | str, results: dict[str, list[Run]],
         detail = "no interval with one seed"
     else:
         detail = (f"95% interval {result.interval[0]:.1f}x-{result.interval[1]:.1f}x (delta "
-                  "method on the log of the ratio of mean times over seeds, t quantile)")
+                  "method on the log of the ratio of mean times over seeds, t quantile)"
+                  + paired_detail(result, results, target))
     return [head + f"{result.ratio:.1f}x" + (" (a lower bound)" if result.lower_bound else ""),
             f"- {result.against}: {versus_s} to the target vs the pipeline's {pipe:.0f} s; {detail}",
             ""]
@@ -377,6 +406,18 @@ def mode_table(results: dict[str, list[Run]], target: float, budget_s: float) ->
             for label, runs in results.items()]
     return table(["mode", "seeds", "time to target (s) [95% CI]", "final held-out pass@1 [95% CI]",
                   "samples/s [95% CI]", "ESS [95% CI]", "lag mean [95% CI]"], rows)
+
+
+def seed_table(results: dict[str, list[Run]], target: float, seeds: int) -> str:
+    """Each run: time to target and samples/s, a column per seed (the seeds ran as blocks, one
+    after another, so a column shares the machine's state)."""
+    rows = []
+    for label, runs in results.items():
+        cells = {r.seed(i): (f"{t:.0f}" if (t := r.time_to(target)) is not None else "missed")
+                 + f" / {r.samples_per_s():.0f}" for i, r in enumerate(runs)}
+        rows.append([label, *(cells.get(s, "-") for s in range(seeds))])
+    return table(["mode", *(f"seed {s}: time to target (s) / samples/s" for s in range(seeds))],
+                 rows)
 
 
 def scaling_row(role: str, rates: dict[str, float]) -> list[str]:
@@ -436,7 +477,7 @@ def run_span(results: dict[str, list[Run]]) -> str:
 
 
 def report(results: dict[str, list[Run]], plan: dict[str, Any],
-           load: tuple[float, float, float]) -> str:
+           load: tuple[float, float, float] | None) -> str:
     target, budget_s = plan["target"], plan["budget_s"]
     start = fmt_interval([r.evals[0][PASS1] for r in results[PIPELINE]], ".3f")
     lines = [
@@ -460,6 +501,8 @@ def report(results: dict[str, list[Run]], plan: dict[str, Any],
         "",
         *headlines(results, target, budget_s),
         mode_table(results, target, budget_s),
+        "Per seed:", "",
+        seed_table(results, target, plan["seeds"]),
         *scaling_section(results, plan["scaling"]),
         *kv_section(results, target, budget_s),
     ]
@@ -605,7 +648,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     labels = (args.modes or list(MODES)) + ([TRL] if args.trl or args.report_only else [])
-    load = load_average()
+    load = None if args.report_only else load_average()
     if args.report_only:
         plan = read_plan(args)
         results = load_results(args.out, labels, plan["seeds"])

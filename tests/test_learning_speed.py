@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import subprocess
 import sys
@@ -99,6 +100,37 @@ def test_report_has_headlines_in_order_intervals_bound_and_lower_bounds() -> Non
     assert "- rule (b), the whole machine per phase: bound 1.06x" in text
     assert "### KV cache kept vs recomputed on weight updates" in text
     assert "| pipeline recompute-KV | 1.00 [1.00, 1.00] | 0.990 [0.990, 0.990] | 100 [" in text
+
+
+def test_paired_ratio_cancels_a_seed_blocks_machine_speed() -> None:
+    # Seed 1 ran on a machine 2x slower for every mode: the ratio is 2 in each seed, so the
+    # paired interval is a point while the ratio of means has a wide one.
+    conv, pipe = {0: 100.0, 1: 200.0, 2: 150.0}, {0: 50.0, 1: 100.0, 2: 75.0}
+    assert ls.paired_ratio(conv, pipe) == pytest.approx((2.0, 2.0, 2.0))
+    lo, hi = ls.ratio_interval(list(conv.values()), list(pipe.values()))
+    assert lo < 1.5 and hi > 2.5
+    # log ratios ln 2, ln 4: geometric mean 2.83, t(1) = 12.706 x sd / sqrt 2 on the logs.
+    ratio, lo, hi = ls.paired_ratio({0: 100.0, 1: 400.0, 5: 9.0}, {0: 50.0, 1: 100.0})
+    half = 12.706 * math.log(2) / math.sqrt(2) / math.sqrt(2)
+    assert (ratio, lo, hi) == pytest.approx((2 ** 1.5, 2 ** 1.5 * math.exp(-half),
+                                             2 ** 1.5 * math.exp(half)))
+    assert all(math.isnan(x) for x in ls.paired_ratio({0: 1.0}, {0: 2.0})[1:])
+
+
+def test_report_pairs_by_the_seed_a_run_records() -> None:
+    def seeded(seed: int, reach_at: float | None, sps: float = 100.0) -> ls.Run:
+        run = fake_run(reach_at, sps)
+        run.record = {"seed": seed, "started": "2026-11-24 10:00", "finished": "2026-11-24 10:11"}
+        return run
+
+    # Pipeline seed 1 is missing (a run not made yet): pairs are seeds 0 and 2 only.
+    results = {ls.PIPELINE: [seeded(0, 60, 200.0), seeded(2, 90, 150.0)],
+               "conventional G=2 (a)": [seeded(0, 120), seeded(1, 600), seeded(2, 180)]}
+    text = ls.report(results, plan(), None)
+    assert "paired by seed (geometric mean of each seed's ratio): 2.0x, 95% interval 2.0x-2.0x" in text
+    assert "| pipeline | 60 / 200 | - | 90 / 150 |" in text
+    assert "| conventional G=2 (a) | 120 / 100 | 600 / 100 | 180 / 100 |" in text
+    assert "- load average: not this command's" in text
 
 
 def test_speedup_is_not_measured_when_the_pipeline_misses_or_nothing_compares() -> None:
