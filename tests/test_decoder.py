@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,26 @@ def test_bfloat16_decode_stays_close_to_fp32() -> None:
         model.prefill(cache, tokens[:, :7], torch.tensor([7, 7]), torch.tensor([0, 1]))
         logits = model.decode(cache, tokens[:, 7], torch.tensor([7, 7]), 8).float()
     assert (logits - ref).abs().max() < 0.25 * ref.abs().max()
+
+
+def test_fused_projections_take_weights_written_in_place_by_hf_name() -> None:
+    """q/k/v and gate/up run as one matmul each over fused weights; the HF-named parameters are
+    views of them, also after dtype conversions and a deepcopy, so an engine receiving
+    weights in place by name (`receive_weights`) changes what the fused matmul computes."""
+    hf = tiny_hf_model("qwen2")  # q/k/v biases
+    model = copy.deepcopy(CausalDecoder(hf.config).to(torch.float64).to(torch.float32)).eval()
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    for name, weight in hf.state_dict().items():
+        if name in targets:
+            targets[name].data.copy_(weight)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[attn.q_proj.out_features:].data_ptr()
+    assert attn.v_proj.bias.data_ptr() == attn.qkv.bias[-attn.v_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up.weight[mlp.gate_proj.out_features:].data_ptr()
+    assert "model.layers.0.self_attn.qkv.weight" not in targets  # names stay HF's
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=ATOL, rtol=0)
 
 
 def test_load_pretrained_round_trip(tmp_path: Path) -> None:

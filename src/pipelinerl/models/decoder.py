@@ -206,7 +206,60 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
-class Attention(nn.Module):
+class FusedLinears:
+    """Linears on one input computed by one matmul: their weights (and biases) become row
+    blocks of one fused tensor, and the module's HF-named parameters (`q_proj.weight`, ...)
+    views of those blocks, so writes by name (`load_hf_weights`, an engine receiving weights in
+    place) land in the fused tensor. A conversion (`to`, `to_empty`, `half`) gives each
+    parameter its own storage again: `FusingModule._apply` then fuses anew."""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        self.fuse()
+
+    def fuse(self) -> None:
+        weight = torch.cat([linear.weight.detach() for linear in self.linears])
+        bias = None
+        if self.linears[0].bias is not None:
+            bias = torch.cat([linear.bias.detach() for linear in self.linears])
+        for i, (linear, w) in enumerate(zip(self.linears, weight.split(self.sizes))):
+            linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias.split(self.sizes)[i],
+                                           requires_grad=linear.bias.requires_grad)
+        self.weight, self.bias = weight, bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The linears' outputs side by side: [..., sum of out_features]."""
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each linear's output: views of one matmul's."""
+        return self.matmul(x).split(self.sizes, dim=-1)
+
+
+class FusingModule(nn.Module):
+    """A module whose `fused` projections are fused again after every conversion and after a
+    copy or unpickling (which clone each parameter on its own)."""
+
+    fused: tuple[FusedLinears, ...] = ()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "FusingModule":
+        super()._apply(fn, recurse)
+        self._refuse()
+        return self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._refuse()
+
+    def _refuse(self) -> None:
+        for fused in self.fused:
+            fused.fuse()
+
+
+class Attention(FusingModule):
     def __init__(self, config: DecoderConfig, **factory: Any) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -217,19 +270,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **factory)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **factory)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, **factory)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self.fused = (self.qkv,)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **factory)
         self.qk_norm = config.qk_norm
 
-    def _project_qk(self, x: torch.Tensor, *lead: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k of x [*lead, D] as [*lead, heads, head_dim], each head RMS-normalised for
-        Qwen3 (before RoPE, as transformers does)."""
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 *lead: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of x [*lead, D] as [*lead, heads, head_dim] from one matmul, q and k
+        rotated (cos, sin: [*lead, head_dim]). Qwen3 first RMS-normalises each head of q and k
+        (as transformers does); without that norm q and k lie side by side in the matmul's
+        output and are rotated as one tensor."""
+        h, kv = self.num_heads, self.num_kv_heads
+        heads = self.qkv.matmul(x).view(*lead, h + 2 * kv, self.head_dim)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        v = heads[..., h + kv:, :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k
+            q, k = self.q_norm(heads[..., :h, :]), self.k_norm(heads[..., h:h + kv, :])
+            return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+        qk = _apply_rope(heads[..., :h + kv, :], cos, sin)
+        return qk[..., :h, :], qk[..., h:, :], v
 
     def prefill(
         self,
@@ -243,11 +305,7 @@ class Attention(nn.Module):
         """Causal attention over a right-padded batch [B, T, D]; writes K/V into `slots` if given.
         Right padding needs no extra mask: a real token never attends to a later (pad) position."""
         b, t, _ = x.shape
-        q, k = self._project_qk(x, b, t)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k, v = (y.transpose(1, 2) for y in self._project(x, cos, sin, b, t))
         if k_cache is not None:
             k_cache[slots, :, :t] = k
             v_cache[slots, :, :t] = v
@@ -270,9 +328,7 @@ class Attention(nn.Module):
         to each one's position; only the real (not padding) entries `written` = (rows, cols)
         are stored. mask: [m, 1, T, L] (True = attend)."""
         m, t, _ = x.shape
-        q, k = self._project_qk(x, m, t)
-        v = self.v_proj(x).view(m, t, self.num_kv_heads, self.head_dim)
-        q, k = _apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2)), _apply_rope(k, cos.unsqueeze(2), sin.unsqueeze(2))
+        q, k, v = self._project(x, cos, sin, m, t)
         rows, cols = written
         k_cache[slots[rows], :, positions[rows, cols]] = k[rows, cols]
         v_cache[slots[rows], :, positions[rows, cols]] = v[rows, cols]
@@ -297,11 +353,9 @@ class Attention(nn.Module):
         """One token per sequence, x: [n, D] for slots 0..n-1; mask: [n, 1, 1, L] (True = attend)."""
         n = x.shape[0]
         group = self.num_heads // self.num_kv_heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = self._project_qk(x, n)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k, v = self._project(x, cos, sin, n)
         k_cache[rows, :, positions] = k
-        v_cache[rows, :, positions] = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v_cache[rows, :, positions] = v
         length = mask.shape[-1]
         # GQA without repeating K/V: the `group` query heads sharing a KV head act as the query
         # length of one attention call over that head's cached keys.
@@ -314,15 +368,18 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, -1))
 
 
-class MLP(nn.Module):
+class MLP(FusingModule):
     def __init__(self, config: DecoderConfig, **factory: Any) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, **factory)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, **factory)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, **factory)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
+        self.fused = (self.gate_up,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
