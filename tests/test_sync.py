@@ -564,7 +564,12 @@ def test_streamed_weights_are_sent_one_tensor_at_a_time_broadcast() -> None:
             assert got_v == v
             _assert_same(_unpack(received), v)
             assert streamed.yielded == len(streamed.layout.slots)
-            assert streamed.most_alive <= 1
+            # Buckets are copies: at most the previous source. Per tensor, the source itself is
+            # sent, and gloo's worker thread may drop its reference to a finished broadcast only
+            # just after `wait()` returned (it releases the work after marking it done; seen as
+            # a rare 2 here), so one more may be alive for a moment; never the whole stream
+            # (the layout has 5 tensors).
+            assert streamed.most_alive <= (2 if sender.per_parameter else 1)
         sender.close()
         assert _get(q) == (0, "closed")
     finally:
