@@ -223,11 +223,11 @@ class FusedLinears:
         bias = None
         if self.linears[0].bias is not None:
             bias = torch.cat([linear.bias.detach() for linear in self.linears])
-        for i, (linear, w) in enumerate(zip(self.linears, weight.split(self.sizes))):
+        biases = bias.split(self.sizes) if bias is not None else [None] * len(self.linears)
+        for linear, w, b in zip(self.linears, weight.split(self.sizes), biases):
             linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
-            if bias is not None:
-                linear.bias = nn.Parameter(bias.split(self.sizes)[i],
-                                           requires_grad=linear.bias.requires_grad)
+            if b is not None:
+                linear.bias = nn.Parameter(b, requires_grad=linear.bias.requires_grad)
         self.weight, self.bias = weight, bias
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
