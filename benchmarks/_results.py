@@ -63,9 +63,11 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
-def environment(load_at_start: tuple[float, float, float] | None) -> str:
-    """Markdown lines: command, machine, torch, date, and the load average seen at start (None:
-    the figures come from runs made earlier, whose load this command did not see)."""
+def environment(load_at_start: tuple[float, float, float] | None,
+                command: str | None = None) -> str:
+    """Markdown lines: command (default: this process's), machine, torch, date, and the load
+    average seen at start (None: the figures come from runs made earlier, whose load this
+    command did not see)."""
     cores = os.cpu_count() or 0
     if load_at_start is None:
         load_line = "- load average: not this command's (it reports runs made earlier)\n"
@@ -75,7 +77,8 @@ def environment(load_at_start: tuple[float, float, float] | None) -> str:
         note = " (other work was running: figures are lower and noisier than on a quiet machine)" if busy else ""
         load = ", ".join(f"{x:.2f}" for x in load_at_start)
         load_line = f"- load average at start (1/5/15 min): {load}{note}\n"
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    if command is None:
+        command = this_command()
     return (
         f"- command: `{command}`\n"
         f"- machine: {cpu_model()}, {cores} cores; torch {torch.__version__}, python "
@@ -83,6 +86,10 @@ def environment(load_at_start: tuple[float, float, float] | None) -> str:
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}\n"
         + load_line
     )
+
+
+def this_command() -> str:
+    return "python " + shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

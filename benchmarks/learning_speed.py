@@ -12,10 +12,13 @@ schedule and threads:
 Time to target = the `time_s` at which the first evaluated version with held-out pass@1
 (`eval/sampled/pass@1`, T = 1) >= --target was made. The target is chosen before the runs and
 recorded in --out/plan.json with the role throughputs measured before the runs. Writes the
-`learning_speed` section of RESULTS.md and benchmarks/learning_speed.png.
+`learning_speed` section of RESULTS.md, benchmarks/learning_speed.png and the runs' records
+behind them (benchmarks/learning_speed_runs.json.gz: the --out directory is outside the
+checkout and may not outlive the machine).
 
     python benchmarks/learning_speed.py --target 0.45 --trl      # full: about 6 h, see docs
     python benchmarks/learning_speed.py --report-only            # rebuild from the runs in --out
+    python benchmarks/learning_speed.py --from-archive           # rebuild from the checkout's records
     python benchmarks/learning_speed.py --quick --out /tmp/ls    # CI smoke: tiny, not recorded
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import math
 import re
@@ -44,7 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from _results import environment, load_average, table, write_section  # noqa: E402
+from _results import environment, load_average, table, this_command, write_section  # noqa: E402
 
 from pipelinerl.config import Config, load_config  # noqa: E402
 from pipelinerl.launch import role_env  # noqa: E402
@@ -59,6 +63,11 @@ PASS1 = "eval/sampled/pass@1"
 ESS_WINDOW = 16  # optimizer steps in the plot's rolling mean
 QUICK_TARGET = 0.1
 RUN_RECORD = "bench.json"  # written when a run finished: when it ran
+ARCHIVE = BENCH / "learning_speed_runs.json.gz"  # the runs behind RESULTS.md's section
+# What the report reads from a run's optimizer steps: all the archive keeps of them.
+STEP_KEYS = ("step", "time_s", "samples_trained", "ess", "lag_mean", "actor_mean_update_pause_s")
+WORTH_STEPS = (150, 300, 600)  # optimizer steps at which held-out accuracy is compared
+WORTH_TIMES = (120, 300, 600)  # and wall-clock seconds
 PAUSE = "PAUSE"
 QUICK_OVERRIDES = ["warmstart.steps=10", "engine.capacity=16", "actor.group_size=4",
                    "trainer.batch_size=16"]
@@ -166,6 +175,15 @@ class Run:
             record = json.loads((run_dir / RUN_RECORD).read_text())
         return cls([r for r in records if "eval/version" not in r], evals, record or {})
 
+    def to_json(self) -> dict[str, Any]:
+        """The run as archived: its record, evaluations, and the report's keys of each step."""
+        steps = [{k: compact(r[k]) for k in STEP_KEYS if r.get(k) is not None} for r in self.steps]
+        return {"record": self.record, "evals": self.evals, "steps": steps}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Run":
+        return cls(data["steps"], data["evals"], data["record"])
+
     def seed(self, default: int) -> int:
         return self.record.get("seed", default)
 
@@ -181,6 +199,36 @@ class Run:
 
     def last(self, key: str) -> float | None:
         return self.steps[-1].get(key)
+
+    def pass1_at(self, key: str, x: float) -> float | None:
+        """Held-out pass@1 interpolated at `x` of `key` (`eval/version`: optimizer steps, or
+        `time_s`); None past the last evaluation."""
+        xs = [r[key] for r in self.evals]
+        if x > xs[-1]:
+            return None
+        return float(np.interp(x, xs, [r[PASS1] for r in self.evals]))
+
+
+def compact(value: float) -> float:
+    """6 significant digits: far finer than the report shows, and half the archive's size."""
+    return value if isinstance(value, int) else float(f"{value:.6g}")
+
+
+def save_archive(path: Path, plan: dict[str, Any], results: dict[str, list[Run]]) -> None:
+    """The plan and every run's records, gzipped JSON (about 25 kB a run)."""
+    data = {"plan": plan, "runs": {label: [r.to_json() for r in runs]
+                                   for label, runs in results.items()}}
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f, separators=(",", ":"))
+
+
+def load_archive(path: Path) -> tuple[dict[str, Any], dict[str, list[Run]]]:
+    if not path.exists():
+        raise SystemExit(f"{path} not found: it is written with the report of a full benchmark")
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return data["plan"], {label: [Run.from_json(r) for r in runs]
+                          for label, runs in data["runs"].items()}
 
 
 # -- role throughputs and the bound -----------------------------------------------------------
@@ -464,6 +512,38 @@ def kv_section(results: dict[str, list[Run]], target: float, budget_s: float) ->
                   rows)]
 
 
+def worth_cell(runs: list[Run], key: str, x: float) -> str:
+    """Mean over seeds of held-out pass@1 at `x`; '-' unless every seed got that far."""
+    values = [r.pass1_at(key, x) for r in runs]
+    return "-" if None in values else f"{statistics.fmean(values):.2f}"
+
+
+def worth_section(results: dict[str, list[Run]]) -> list[str]:
+    """Held-out accuracy at equal optimizer steps (what a sample is worth, lag included) and at
+    equal wall-clock (what the schedule buys), interpolated between evaluations."""
+    rows = [[label, *(worth_cell(runs, "eval/version", n) for n in WORTH_STEPS),
+             *(worth_cell(runs, "time_s", t) for t in WORTH_TIMES)]
+            for label, runs in results.items()]
+    return ["### Held-out pass@1 at equal optimizer steps and at equal wall-clock", "",
+            "Mean over seeds, interpolated between a run's evaluations; '-' where a seed did not "
+            "get that far. Equal steps: what a batch of samples is worth (the lag included); "
+            "equal wall-clock: what the schedule buys.", "",
+            table(["mode", *(f"{n} steps" for n in WORTH_STEPS),
+                   *(f"{t} s" for t in WORTH_TIMES)], rows)]
+
+
+def masked_command(command: str) -> str:
+    """The command with its --out directory shown as OUT: the runs' directory is this
+    machine's, outside the checkout, and means nothing to a reader."""
+    args = shlex.split(command)
+    for i, arg in enumerate(args):
+        if arg == "--out" and i + 1 < len(args):
+            args[i + 1] = "OUT"
+        elif arg.startswith("--out="):
+            args[i] = "--out=OUT"
+    return shlex.join(args)
+
+
 def run_span(results: dict[str, list[Run]]) -> str:
     """When the runs were made (they may span sessions: --resume)."""
     records = [r.record for runs in results.values() for r in runs if r.record]
@@ -483,8 +563,9 @@ def report(results: dict[str, list[Run]], plan: dict[str, Any],
     lines = [
         "## Learning speed: PipelineRL vs conventional RL, held-out accuracy",
         "",
-        environment(load).rstrip("\n"),
-        f"- runs: `{plan['command']}`, started {plan['started']}; {plan['seeds']} seed(s) per "
+        environment(load, masked_command(this_command())).rstrip("\n"),
+        f"- runs: `{masked_command(plan['command'])}` (OUT: the runs' directory), started "
+        f"{plan['started']}; {plan['seeds']} seed(s) per "
         f"mode, {budget_s:.0f} s of wall-clock each, seed by seed through the modes; "
         f"{run_span(results)}; plot: benchmarks/learning_speed.png",
         f"- target: held-out pass@1 (`{PASS1}`, temperature 1, {plan['eval_problems']} problems "
@@ -503,6 +584,7 @@ def report(results: dict[str, list[Run]], plan: dict[str, Any],
         mode_table(results, target, budget_s),
         "Per seed:", "",
         seed_table(results, target, plan["seeds"]),
+        *worth_section(results),
         *scaling_section(results, plan["scaling"]),
         *kv_section(results, target, budget_s),
     ]
@@ -630,6 +712,9 @@ def parse_args() -> argparse.Namespace:
                    help="keep the finished runs in --out (same target and settings), run the rest")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the report and plot from the runs in --out")
+    p.add_argument("--from-archive", action="store_true",
+                   help=f"rebuild the report and plot from {ARCHIVE.relative_to(ROOT)}, the runs "
+                        "behind RESULTS.md (no --out needed)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run, not recorded")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = p.parse_args()
@@ -638,7 +723,7 @@ def parse_args() -> argparse.Namespace:
         args.modes = args.modes or [PIPELINE, "conventional G=2 (a)"]
         args.target = QUICK_TARGET if args.target is None else args.target
         args.overrides += [f"warmstart.cache_dir={args.out / 'cache'}", *QUICK_OVERRIDES]
-    if args.target is None and not args.report_only:
+    if args.target is None and not (args.report_only or args.from_archive):
         p.error("--target is required: choose the held-out pass@1 to reach before the runs")
     if args.modes and PIPELINE not in args.modes:
         p.error("the pipeline mode is the reference: keep it in --modes")
@@ -648,8 +733,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     labels = (args.modes or list(MODES)) + ([TRL] if args.trl or args.report_only else [])
-    load = None if args.report_only else load_average()
-    if args.report_only:
+    load = None if args.report_only or args.from_archive else load_average()
+    if args.from_archive:
+        plan, results = load_archive(ARCHIVE)
+    elif args.report_only:
         plan = read_plan(args)
         results = load_results(args.out, labels, plan["seeds"])
     else:
@@ -669,6 +756,8 @@ def main() -> None:
          else BENCH / "learning_speed.png")
     if not smoke:
         write_section("learning_speed", text)
+        if not args.from_archive:
+            save_archive(ARCHIVE, plan, results)
 
 
 if __name__ == "__main__":

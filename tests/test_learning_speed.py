@@ -133,6 +133,55 @@ def test_report_pairs_by_the_seed_a_run_records() -> None:
     assert "- load average: not this command's" in text
 
 
+def test_worth_compares_held_out_accuracy_at_equal_steps_and_equal_wall_clock() -> None:
+    def curve(points: list[tuple[float, int, float]]) -> ls.Run:  # (time_s, version, pass@1)
+        return ls.Run([], [{"time_s": t, "eval/version": v, ls.PASS1: p} for t, v, p in points])
+
+    fast = curve([(0.0, 0, 0.2), (60.0, 200, 0.44), (120.0, 400, 0.6), (600.0, 2000, 0.7)])
+    slow = curve([(0.0, 0, 0.2), (120.0, 200, 0.6), (600.0, 1000, 0.68)])
+    # 150 steps: 0.2 + 0.24 x 150/200 = 0.38 (fast), 0.2 + 0.4 x 150/200 = 0.5 (slow).
+    assert fast.pass1_at("eval/version", 150) == pytest.approx(0.38)
+    assert slow.pass1_at("eval/version", 150) == pytest.approx(0.5)
+    assert fast.pass1_at("time_s", 300) == pytest.approx(0.6 + 0.1 * 180 / 480)
+    assert slow.pass1_at("eval/version", 1001) is None  # past its last evaluation
+    text = "\n".join(ls.worth_section({"fast": [fast], "slow": [slow]}))
+    assert "| mode | 150 steps | 300 steps | 600 steps | 120 s | 300 s | 600 s |" in text
+    assert "| fast | 0.38 | 0.52 | 0.61 | 0.60 | 0.64 | 0.70 |" in text
+    assert "| slow | 0.50 | 0.61 | 0.64 | 0.60 | 0.63 | 0.68 |" in text
+    # A mean over seeds only where every seed got that far.
+    assert ls.worth_cell([fast, slow], "eval/version", 1500) == "-"
+    assert ls.worth_cell([fast, slow], "eval/version", 150) == "0.44"
+
+
+def test_archive_rebuilds_the_same_report_and_keeps_only_what_it_reads(tmp_path: Path) -> None:
+    results = {ls.PIPELINE: [fake_run(t, 200.0) for t in (60, 90)],
+               "conventional G=2 (a)": [fake_run(t) for t in (120, None)]}
+    for runs in results.values():
+        for r in runs:
+            r.steps[0]["loss"] = 1.0  # a key the report never reads
+            r.record = {"seed": 0, "started": "2026-11-24 10:00", "finished": "2026-11-24 10:11"}
+    path = tmp_path / "runs.json.gz"
+    ls.save_archive(path, plan(), results)
+    archived_plan, archived = ls.load_archive(path)
+    assert archived_plan == plan()
+    assert ls.report(archived, archived_plan, None) == ls.report(results, plan(), None)
+    assert all(set(s) <= set(ls.STEP_KEYS) for runs in archived.values() for r in runs
+               for s in r.steps)
+    with pytest.raises(SystemExit, match="not found"):
+        ls.load_archive(tmp_path / "missing.json.gz")
+
+
+def test_report_shows_the_runs_directory_as_out() -> None:
+    assert ls.masked_command("python b/learning_speed.py --target 0.5 --out /work/x --trl") == \
+        "python b/learning_speed.py --target 0.5 --out OUT --trl"
+    assert ls.masked_command("python b/learning_speed.py --out=/work/x") == \
+        "python b/learning_speed.py --out=OUT"
+    text = ls.report({ls.PIPELINE: [fake_run(60)]},
+                     {**plan(), "command": "python learning_speed.py --target 0.5 --out /w/ls"}, None)
+    assert "`python learning_speed.py --target 0.5 --out OUT` (OUT: the runs' directory)" in text
+    assert "/w/ls" not in text
+
+
 def test_speedup_is_not_measured_when_the_pipeline_misses_or_nothing_compares() -> None:
     assert ls.speedup([60.0, None], {"x": [90.0, 90.0]}, 600.0) == \
         "the pipeline reached the target in 1/2 seeds"
