@@ -92,7 +92,8 @@ def test_report_has_headlines_in_order_intervals_bound_and_lower_bounds() -> Non
     assert "conventional G=2 (b) reached the target in 1/3 seeds" in text
     assert f"{ls.TRL}): 8.6x (a lower bound)" in text
     assert "| conventional G=4 (a) | 3 | > 600 (2/3 reached) |" in text
-    assert "| time to target (s) [95% CI] | final held-out pass@1 [95% CI] |" in text
+    assert "| time to target (s) [95% CI] | smoothed crossing (s) [95% CI] | final held-out " \
+           "pass@1 [95% CI] |" in text
     assert re.search(r"\| pipeline \| 3 \| 70 \[\d+, \d+\] \|", text)
     # Bounds from the role rates: (a) 100 x (1/100 + 1/120), (b) 100 x (1/180 + 1/200).
     assert "- rule (a), one core per role: bound 1.83x; measured pipeline / fastest " \
@@ -131,6 +132,21 @@ def test_report_pairs_by_the_seed_a_run_records() -> None:
     assert "| pipeline | 60 / 200 | - | 90 / 150 |" in text
     assert "| conventional G=2 (a) | 120 / 100 | 600 / 100 | 180 / 100 |" in text
     assert "- load average: not this command's" in text
+
+
+def test_smoothed_crossing_takes_the_centred_mean_of_three_evaluations() -> None:
+    def evals(ys: list[float]) -> ls.Run:
+        return ls.Run([], [{"time_s": 30.0 * i, "eval/version": i, ls.PASS1: y}
+                           for i, y in enumerate(ys)])
+
+    # One lucky evaluation at 60 s: the first crossing of 0.55 is 60 s. Centred means at
+    # 30/60/90/120 s: 0.433, 0.533, 0.567, 0.6: 0.55 is crossed halfway from 60 s to 90 s.
+    run = evals([0.2, 0.5, 0.6, 0.5, 0.6, 0.7])
+    assert run.time_to(0.55) == 60.0
+    assert run.time_to_smoothed(0.55) == pytest.approx(75.0)
+    assert run.time_to_smoothed(0.4) == 30.0  # the first centred mean already reaches it
+    assert run.time_to_smoothed(0.65) is None  # the last mean is 0.6
+    assert evals([0.9, 0.9]).time_to_smoothed(0.5) is None  # fewer than 3 evaluations
 
 
 def test_worth_compares_held_out_accuracy_at_equal_steps_and_equal_wall_clock() -> None:
