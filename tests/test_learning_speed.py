@@ -187,15 +187,16 @@ def test_archive_rebuilds_the_same_report_and_keeps_only_what_it_reads(tmp_path:
         ls.load_archive(tmp_path / "missing.json.gz")
 
 
-def test_report_shows_the_runs_directory_as_out() -> None:
-    assert ls.masked_command("python b/learning_speed.py --target 0.5 --out /work/x --trl") == \
+def test_report_shows_the_runs_directory_as_out(tmp_path: Path) -> None:
+    out = str(tmp_path / "ls")  # a runs' directory outside the checkout
+    assert ls.masked_command(f"python b/learning_speed.py --target 0.5 --out {out} --trl") == \
         "python b/learning_speed.py --target 0.5 --out OUT --trl"
-    assert ls.masked_command("python b/learning_speed.py --out=/work/x") == \
+    assert ls.masked_command(f"python b/learning_speed.py --out={out}") == \
         "python b/learning_speed.py --out=OUT"
     text = ls.report({ls.PIPELINE: [fake_run(60)]},
-                     {**plan(), "command": "python learning_speed.py --target 0.5 --out /w/ls"}, None)
+                     {**plan(), "command": f"python learning_speed.py --target 0.5 --out {out}"}, None)
     assert "`python learning_speed.py --target 0.5 --out OUT` (OUT: the runs' directory)" in text
-    assert "/w/ls" not in text
+    assert out not in text
 
 
 def test_speedup_is_not_measured_when_the_pipeline_misses_or_nothing_compares() -> None:
