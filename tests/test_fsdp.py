@@ -4,30 +4,25 @@ checkpoints resume on another number of ranks."""
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
-import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipelinerl.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl.config import Config, load_config
 from pipelinerl.parallel import GatheredWeights, is_sharded, wrap_model
-from pipelinerl.ports import free_port
 from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.rl.step import rl_step
 from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
 from pipelinerl.trainer import share_groups
 from pipelinerl.types import Group, Sample
+from ranks import run_ranks
 from tiny_models import VOCAB, tiny_hf_model
 
 torch.set_num_threads(1)
-SPAWN = mp.get_context("spawn")
 GROUP = 4
 
 
@@ -83,42 +78,6 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {p.name: tensors[p.slot] for p in weights.layout.params}
 
 
-def _in_group(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
-              q: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        out = io.BytesIO()  # by value: tensors sent as such share memory that dies with us
-        torch.save(fn(rank, world, *args), out)
-        q.put((rank, out.getvalue()))
-    except BaseException:
-        q.put((rank, ("error", traceback.format_exc())))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_ranks(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """`fn(rank, world, *args)` on `world` spawned ranks of one gloo group; their results."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    q = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_in_group, args=(r, world, init, fn, args, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for r, out in results.items():
-        if isinstance(out, tuple):
-            raise AssertionError(f"rank {r} failed:\n{out[1]}")
-    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
-
-
 def _two_steps(rank: int, world: int, run_id: str) -> dict[str, Any]:
     """Two steps; then rank 0 publishes the weights through the shared-memory channel while
     the other rank takes part in each tensor's gather; then a bf16 mixed-precision step."""
@@ -144,7 +103,7 @@ def _two_steps(rank: int, world: int, run_id: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
     """One 2-rank run (process start-up is most of its cost) for the tests below."""
-    return _run_ranks(2, _two_steps, f"test-{uuid.uuid4().hex[:12]}")
+    return run_ranks(2, _two_steps, f"test-{uuid.uuid4().hex[:12]}")
 
 
 def test_two_rank_fsdp2_steps_equal_one_process_and_publish_whole_weights(
@@ -236,7 +195,7 @@ class _NoTokenizer:
 
 
 def test_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path: Path) -> None:
-    uninterrupted, _ = _run_ranks(2, _save_after_one_step, str(tmp_path))
+    uninterrupted, _ = run_ranks(2, _save_after_one_step, str(tmp_path))
     checkpoint = tmp_path / "checkpoints" / "step_00000001"
     assert (checkpoint / "dcp" / ".metadata").exists() and (checkpoint / "state.json").exists()
     assert not list((checkpoint / "model").glob("*.safetensors"))  # the weights are in dcp/
@@ -246,7 +205,7 @@ def test_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path: Path) -
                           make_scheduler(optimizer, _cfg().trainer), {}, keep=1)
     # One rank resumes the 2-rank checkpoint (weights and AdamW moments resharded) and its
     # next step lands where the 2 ranks went on without stopping.
-    (resumed, state, refusal), = _run_ranks(1, _resume_and_step, str(checkpoint), str(ddp))
+    (resumed, state, refusal), = run_ranks(1, _resume_and_step, str(checkpoint), str(ddp))
     assert state["step"] == 1 and state["marker"] == 0  # rank 0's state.json
     for name, t in uninterrupted.items():
         torch.testing.assert_close(resumed[name], t, atol=2e-6, rtol=1e-5, msg=name)

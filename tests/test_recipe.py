@@ -34,6 +34,7 @@ from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens, to
 from pipelinerl.rl.schedule import lr_factor, make_scheduler
 from pipelinerl.rl.step import _sequence_ess, rl_step
 from pipelinerl.types import Group, Sample
+from ranks import run_ranks
 from tiny_models import VOCAB, reference_truncation, tiny_hf_model
 
 torch.set_num_threads(1)
@@ -597,25 +598,17 @@ def test_ess_lr_scale_through_the_step_by_hand() -> None:
     close(unscaled.table.detach(), [[-0.125, 0.125], [-0.25, 0.25]])
 
 
-def _ess_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _ess_rank(rank: int, world: int) -> float:
     """One of two gloo ranks of `test_sequence_ess_is_the_steps_over_every_rank`."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     local = [torch.tensor([0.0], dtype=torch.float64),
              torch.tensor([LN2, LN2], dtype=torch.float64)][rank]
-    with open(f"{out_dir}/{rank}", "w") as f:
-        f.write(repr(_sequence_ess(local)))
-    dist.destroy_process_group()
+    return _sequence_ess(local)
 
 
-def test_sequence_ess_is_the_steps_over_every_rank(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
+def test_sequence_ess_is_the_steps_over_every_rank() -> None:
     # Rank 0 holds w = 1, rank 1 w = (2, 2): (1 + 4)^2 / (3 * (1 + 8)) = 25 / 27 on both.
-    mp.spawn(_ess_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in (0, 1):
-        close(float((tmp_path / str(rank)).read_text()), 25 / 27)
+    for ess in run_ranks(2, _ess_rank):
+        close(ess, 25 / 27)
 
 
 def test_vcpo_config() -> None:
@@ -626,12 +619,9 @@ def test_vcpo_config() -> None:
         load_config(overrides=["trainer.advantage.baseline=median"])
 
 
-def _ddp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """One of two gloo ranks of `test_a_rank_whose_samples_are_all_masked_joins_the_step`."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+def _ddp_rank(rank: int, world: int) -> list[torch.Tensor]:
+    """One of two gloo ranks of `test_a_rank_whose_samples_are_all_masked_joins_the_step`:
+    its replica's weights after one step."""
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(tiny_hf_model("qwen2", seed=1).train())
     groups = random_groups()[rank:rank + 1]
@@ -641,18 +631,14 @@ def _ddp_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                                  "trainer.loss.truncated=mask"])
     rl_step(model, torch.optim.SGD(model.parameters(), lr=1.0), groups, cfg, 0,
             num_sequences=2 * GROUP)
-    torch.save([p.detach() for p in model.module.parameters()], f"{out_dir}/{rank}.pt")
-    dist.destroy_process_group()
+    return [p.detach().clone() for p in model.module.parameters()]
 
 
 @pytest.mark.slow  # two processes importing transformers
-def test_a_rank_whose_samples_are_all_masked_joins_the_step(tmp_path) -> None:
-    import torch.multiprocessing as mp
-
+def test_a_rank_whose_samples_are_all_masked_joins_the_step() -> None:
     # Without the joining forward, rank 1 would skip DDP's all-reduce and rank 0 would wait
-    # in it until the 60 s timeout failed the step.
-    mp.spawn(_ddp_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    after = [torch.load(tmp_path / f"{rank}.pt") for rank in (0, 1)]
+    # in it until the ranks' deadline failed the test.
+    after = run_ranks(2, _ddp_rank, timeout_s=60)
     start = list(tiny_hf_model("qwen2", seed=1).parameters())
     moved = max((a - b).abs().max().item() for a, b in zip(after[0], start))
     assert moved > 1e-3  # rank 0's samples trained both replicas

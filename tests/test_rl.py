@@ -15,6 +15,7 @@ from pipelinerl.rl.losses import (
     tis_clip_active,
 )
 from pipelinerl.types import Group, Sample
+from ranks import run_ranks
 
 torch.set_num_threads(1)
 
@@ -331,22 +332,15 @@ def test_entropy_of_known_distributions_with_fake_model(chunk_tokens: int | None
     close(entropy(top_p=0.5), [math.log(3) - 2 / 3 * ln2, 2 * ln2])
 
 
-def _reduce_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _reduce_rank(rank: int, world: int) -> tuple[dict, dict]:
     """One of two gloo ranks of `test_reduce_over_two_ranks_equals_one_rank_with_all_tokens`."""
-    import json
-
-    import torch.distributed as dist
-
     from pipelinerl.rl.step import _reduce
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     stats = LossStats()
     new, old, ver, ent = _two_rank_tokens()[rank]
     stats.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent)
     out, totals = _reduce(stats, {"loss": float(rank + 1)}, torch.device("cpu"))
-    with open(f"{out_dir}/{rank}.json", "w") as f:
-        json.dump({"stats": out.finalize(), "totals": totals}, f)
-    dist.destroy_process_group()
+    return out.finalize(), totals
 
 
 def _two_rank_tokens() -> list[tuple[torch.Tensor, ...]]:
@@ -359,25 +353,20 @@ def _two_rank_tokens() -> list[tuple[torch.Tensor, ...]]:
     ]
 
 
-def test_reduce_over_two_ranks_equals_one_rank_with_all_tokens(tmp_path) -> None:
-    import json
-
-    import torch.multiprocessing as mp
-
-    mp.spawn(_reduce_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+def test_reduce_over_two_ranks_equals_one_rank_with_all_tokens() -> None:
+    results = run_ranks(2, _reduce_rank)
     whole = LossStats()
     for new, old, ver, ent in _two_rank_tokens():
         whole.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent)
     expected = whole.finalize()
     assert expected["lag_hist"] == {"-1": 1, "0": 1, "1": 2, "3": 1}
-    for rank in (0, 1):
-        got = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert got["totals"] == {"loss": 3.0}
-        assert got["stats"]["lag_hist"] == expected["lag_hist"]
-        assert set(got["stats"]) == set(expected)
+    for stats, totals in results:
+        assert totals == {"loss": 3.0}
+        assert stats["lag_hist"] == expected["lag_hist"]
+        assert set(stats) == set(expected)
         for key, value in expected.items():
             if key != "lag_hist":
-                close(got["stats"][key], value, tol=1e-6)
+                close(stats[key], value, tol=1e-6)
 
 
 def test_completion_stats_truncated_fraction() -> None:
