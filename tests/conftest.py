@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
+import sys
 from typing import Iterator
 
 import pytest
@@ -23,3 +25,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     # No append-only file: tests that need persistence start their own server.
     with start_redis_server(tmp_path_factory.mktemp("redis"), appendonly=False) as server:
         yield server
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill the child processes a test left running, and fail the run naming them: a hung
+    non-daemon child (a rank stuck in a collective) would otherwise keep pytest from exiting,
+    since multiprocessing joins such children at exit, and hold CI until its time limit."""
+    left = multiprocessing.active_children()
+    for child in left:
+        child.kill()
+        child.join()
+    if left:
+        names = ", ".join(f"{c.name} (pid {c.pid})" for c in left)
+        print(f"\nchild processes left running by the tests, killed: {names}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
