@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import random
 import threading
 import time
@@ -311,6 +312,10 @@ def test_a_task_that_cannot_reach_the_workers_is_refused_at_start():
 
 
 
+def _pool_workers() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name == "pebble_pool_worker"]
+
+
 def _score_all(scorer: Scorer, task: FakeTask, keys: list[str]) -> dict[str, str]:
     """Submits one group per key and waits for every outcome (reason; "" when scored)."""
     for key in keys:
@@ -330,9 +335,13 @@ def test_scorer_replaces_a_broken_pool_and_retries_its_groups(tmp_path):
     scorer = Scorer(task, timeout_s=5.0, workers=1)
     try:
         outcomes = _score_all(scorer, task, ["g0", "g1", "g2"])
+        # Each group's own pool went with it: no worker is left behind (the broken pool's
+        # died), where pebble's stop() alone left one running per retried group.
+        assert _pool_workers() == []
     finally:
         scorer.close()
     assert outcomes == {"g0": "", "g1": "", "g2": ""}
+    assert _pool_workers() == []
 
 
 def test_after_a_pool_breaks_only_the_crashing_group_is_counted(tmp_path):

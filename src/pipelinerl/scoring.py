@@ -26,7 +26,6 @@ in the staleness bound, so at most the groups the schedule admits can wait.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import pickle
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +36,7 @@ from queue import Empty, SimpleQueue
 from pebble import ProcessExpired, ProcessPool
 
 from pipelinerl.tasks.base import Problem, Score, Task
+from pipelinerl.workers import retire, spawn_pool
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,7 @@ class Scorer:
         self._processes = self._new_pool(self.workers)
 
     def _new_pool(self, workers: int) -> ProcessPool:
-        # spawn: a worker never inherits the actor's threads, CUDA context or engine memory.
-        return ProcessPool(workers, initializer=_load_task, initargs=(self.task,),
-                           context=multiprocessing.get_context("spawn"))
+        return spawn_pool(workers, _load_task, self.task)
 
     def _live_pool(self) -> ProcessPool:
         """The process pool, replaced if pebble marked it broken: that happens when a worker
@@ -133,7 +131,7 @@ class Scorer:
             )
         log.warning("the verifier pool of task %s broke (a worker died before its task started, "
                     "or at start): starting a new one", self.task.name)
-        self._processes.stop()
+        retire(self._processes)
         self._processes = self._new_pool(self.workers)
         return self._processes
 
@@ -204,7 +202,7 @@ class Scorer:
     def _end(self, key: str) -> None:
         job = self._jobs.pop(key)
         if job.pool is not None:
-            job.pool.stop()
+            retire(job.pool)
 
     def wait(self, timeout_s: float) -> None:
         """Block until some verification finishes or `timeout_s` passes."""
@@ -234,11 +232,10 @@ class Scorer:
         """Stop the workers; verifications still running are abandoned."""
         for job in self._jobs.values():
             if job.pool is not None:
-                job.pool.stop()
+                retire(job.pool)
         self._jobs.clear()
         self._to_retry.clear()
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:
-            self._processes.stop()
-            self._processes.join(timeout=10)
+            retire(self._processes)

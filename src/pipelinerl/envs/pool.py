@@ -12,7 +12,6 @@ when broken.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -23,6 +22,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from pipelinerl.tasks.environment import Environment, Reply, Turn
 from pipelinerl.tasks.base import Problem
+from pipelinerl.workers import retire, spawn_pool
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ class EnvPool:
         self._finished: SimpleQueue[tuple[str, Future]] = SimpleQueue()
 
     def _new_pool(self) -> ProcessPool:
-        return ProcessPool(self.workers, initializer=_load_env, initargs=(self.env,),
-                           context=multiprocessing.get_context("spawn"))
+        return spawn_pool(self.workers, _load_env, self.env)
 
     def pending(self) -> int:
         return len(self._submitted)
@@ -69,7 +68,7 @@ class EnvPool:
     def submit(self, key: str, problem: Problem, turns: list[Turn]) -> None:
         if not self._pool.active:
             log.warning("the environment pool of %s broke: starting a new one", self.env.name)
-            self._pool.stop()
+            retire(self._pool)
             self._pool = self._new_pool()
         self._submitted[key] = time.monotonic()
         future = self._pool.schedule(_respond_in_worker, (problem, turns), timeout=self.timeout_s)
@@ -99,8 +98,7 @@ class EnvPool:
         self._finished.put(finished)
 
     def close(self) -> None:
-        self._pool.stop()
-        self._pool.join(timeout=10)
+        retire(self._pool)
 
 
 def _failure(future: Future) -> str:
