@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import threading
 from typing import Iterator
 
 import pytest
@@ -30,12 +31,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill the child processes a test left running, and fail the run naming them: a hung
     non-daemon child (a rank stuck in a collective) would otherwise keep pytest from exiting,
-    since multiprocessing joins such children at exit, and hold CI until its time limit."""
+    since multiprocessing joins such children at exit, and hold CI until its time limit. A
+    non-daemon thread still running cannot be killed: it is named, so that a run which then
+    never exits says why (one about to end is harmless, hence no failure)."""
     left = multiprocessing.active_children()
     for child in left:
         child.kill()
         child.join()
+    threads = [t for t in threading.enumerate()
+               if t is not threading.main_thread() and not t.daemon]
     if left:
         names = ", ".join(f"{c.name} (pid {c.pid})" for c in left)
         print(f"\nchild processes left running by the tests, killed: {names}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if threads:
+        names = ", ".join(t.name for t in threads)
+        print(f"\nthreads left running by the tests (pytest exits once they end): {names}",
+              file=sys.stderr)
