@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,11 +28,6 @@ from pipelinerl.streams.local import LocalStreamReader, LocalStreamWriter
 from pipelinerl.streams.redis_server import RedisServer
 from pipelinerl.streams.redis_stream import RedisStreamReader, stream_key
 from pipelinerl.types import Group, Sample
-
-needs_redis_binary = pytest.mark.skipif(
-    shutil.which("redis-server") is None, reason="redis-server binary not on PATH"
-)
-
 
 @dataclass
 class Where:
@@ -341,7 +335,6 @@ def test_redis_connection_error_names_url() -> None:
 
 
 @pytest.mark.redis
-@needs_redis_binary
 def test_redis_server_restart_with_append_only_file_loses_nothing(tmp_path: Path) -> None:
     """Resume of a whole run: the server restarts in the run dir, the trainer from offsets."""
     loc = {"run": "r", "stream": "rollouts"}
@@ -358,7 +351,6 @@ def test_redis_server_restart_with_append_only_file_loses_nothing(tmp_path: Path
 
 
 @pytest.mark.redis
-@needs_redis_binary
 def test_redis_server_start_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="apt-get install redis-server"):
         start_redis_server(tmp_path, binary="redis-server-missing")
