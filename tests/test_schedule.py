@@ -212,6 +212,32 @@ def test_trainer_drops_and_counts_stale_and_malformed_groups():
     assert source.dropped == {"stale": 1, "malformed": 1}
 
 
+class _BlockedActorReader(_ListReader):
+    """Stale groups, then fresh ones only once the trainer has announced the places the stale
+    ones held: an actor blocked by the staleness bound (as after a resume, when a batch drops
+    the groups made after the checkpoint)."""
+
+    def __init__(self, stale, fresh):
+        super().__init__(stale)
+        self.fresh, self.announced = fresh, []
+
+    def read(self, max_count, timeout_s):
+        if not self.records and self.announced:
+            self.records, self.fresh = self.fresh, []
+        return super().read(max_count, timeout_s)
+
+
+def test_places_of_groups_dropped_in_a_batch_reach_the_actors_before_it_waits():
+    reader = _BlockedActorReader([_group(f"old{i}", 0) for i in range(3)],
+                                 [_group("fresh", 5), _group("fresh2", 4)])
+    source = BatchSource(reader, group_size=2, max_lag=2, timeout_s=1.0,
+                         announce=reader.announced.append)
+    batch = source.take(2, step=6)  # without the announcement: no group in 1 s, TimeoutError
+    assert [g.group_id for g in batch] == ["fresh", "fresh2"]
+    assert reader.announced == [{0: 3}]  # cumulative per actor, sent once
+    assert not source.returned_changed
+
+
 def test_trainer_times_out_loudly_when_no_rollouts_arrive():
     source = BatchSource(_ListReader([]), group_size=2, max_lag=2, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="No actor has written anything"):

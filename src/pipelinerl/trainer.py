@@ -8,6 +8,7 @@ gradient clipping, then publish the new weights (version = optimizer steps taken
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from collections import Counter
 from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,11 @@ class BatchSource:
     dropped_ids: dict[str, list[str]] = field(default_factory=dict)  # by reason, until taken
     returned: Counter = field(default_factory=Counter)  # actor id -> places given back
     returned_changed: bool = False
+    # Sends `returned` to the actors (the control stream). Called whenever the source is about
+    # to wait for groups: an actor blocked by the staleness bound fills the places of groups
+    # dropped in this very batch only once it learns they are free (after a resume, a batch
+    # can drop more groups made after the checkpoint than the bound leaves room for).
+    announce: Callable[[dict[int, int]], None] | None = None
     trimmed: int = 0  # records deleted from the stream after checkpoints (counted for audits)
     wait_s: float = 0.0
     actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -141,6 +147,7 @@ class BatchSource:
                 batch.append(group)
             if len(batch) == n_groups:
                 break
+            self._announce_returned()
             before = len(self.buffer)
             self._pull()
             if len(self.buffer) > before:
@@ -152,7 +159,13 @@ class BatchSource:
                     "logs/ (with actor.drop_zero_variance, actors also drop every group a "
                     "saturated policy solves or fails entirely: actor_skipped_zero_variance)"
                 )
+        self._announce_returned()
         return batch
+
+    def _announce_returned(self) -> None:
+        if self.returned_changed and self.announce is not None:
+            self.announce(dict(self.returned))
+            self.returned_changed = False
 
     def actors_report(self, step: int) -> str:
         """What each actor last said: blocked (alive, admitting nothing), busy, or silent."""
@@ -517,10 +530,11 @@ def run_trainer(cfg: Config) -> None:
     if is_main:
         max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
         offsets = state["source"]["offsets"] if state and state["source"] else None
-        source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size, max_lag,
-                             cfg.trainer.sample_timeout_s)
-        sender = open_weight_sender(cfg)
         control = open_control_writer(cfg)
+        source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size, max_lag,
+                             cfg.trainer.sample_timeout_s,
+                             announce=functools.partial(write_returned, control, cfg))
+        sender = open_weight_sender(cfg)
         if cfg.eval.enabled:
             evals = EvalResults(open_eval_reader(cfg), logger.log, cfg.attempt)
     trainer = Trainer(cfg, wrapped, source, sender)
@@ -560,9 +574,6 @@ def run_trainer(cfg: Config) -> None:
                 audit.write(json.dumps({"step": trainer.step,
                                         "trained": [g.group_id for g in groups],
                                         "dropped": trainer.source.take_dropped_ids()}) + "\n")
-                if trainer.source.returned_changed:
-                    write_returned(control, cfg, dict(trainer.source.returned))
-                    trainer.source.returned_changed = False
             # After the step's records, which a resume from this checkpoint keeps.
             save = checkpoint_due(trainer.step) if is_main else False
             if sharded:
