@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
                                           "lost, duplicated")
     audit.add_argument("run_dir", help="the run directory (output_dir/name)")
 
+    prepare = sub.add_parser("prepare", help="fetch a known model (or dequantize a .gguf file) "
+                                             "into the user cache, once; prints its directory")
+    prepare.add_argument("model", help="a known model's name (smollm2) or a .gguf file")
+
     evaluate = sub.add_parser("eval", help="evaluate a saved model on the task's held-out set")
     evaluate.add_argument("model_dir", help="a local Hugging Face model directory (e.g. RUN/final)")
     evaluate.add_argument("config", help="the YAML config naming the task and the eval section")
@@ -96,11 +100,29 @@ def _main(argv: list[str] | None) -> int:
         from pipelinerl.audit import main as audit_main
 
         return audit_main(args.run_dir)
+    from pipelinerl.models.hf import ModelPathError
+    from pipelinerl.models.sources import prepare, resolve_model_path
+
+    if args.command == "prepare":
+        try:
+            print(resolve_model_path(args.model) if args.model.endswith(".gguf")
+                  else prepare(args.model))
+        except ModelPathError as err:
+            print(f"pipelinerl prepare: {err}", file=sys.stderr)
+            return 2
+        return 0
     from pipelinerl.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
+        # Every role loads the HF directory a .gguf file or a prepared model's name stands for.
+        cfg.model.path = resolve_model_path(cfg.model.path)
+        if args.command == "eval":
+            args.model_dir = resolve_model_path(args.model_dir)
     except ConfigError as err:
+        print(f"pipelinerl: {err}", file=sys.stderr)
+        return 2
+    except ModelPathError as err:
         print(f"pipelinerl: {err}", file=sys.stderr)
         return 2
     if args.command == "train":

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from pipelinerl.cache import user_cache
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
 from pipelinerl.tasks import DemonstrationTask, Problem
@@ -110,12 +111,7 @@ def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
     A relative explicit path is taken against the working directory."""
     if cache_dir:
         return Path(cache_dir).expanduser().absolute()
-    if root := os.environ.get("PIPELINERL_CACHE"):
-        return Path(root).expanduser().absolute() / "warmstart"
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    # The XDG spec says to ignore a relative XDG_CACHE_HOME.
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "pipelinerl" / "warmstart"
+    return user_cache("warmstart")
 
 
 def warm_start(

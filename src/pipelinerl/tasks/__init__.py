@@ -18,6 +18,7 @@ from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.math import MathTask
+from pipelinerl.tasks.numbers import NumbersTask
 from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
 TASKS: dict[str, type] = {
@@ -26,6 +27,7 @@ TASKS: dict[str, type] = {
     "countdown": CountdownTask,
     "dataset": DatasetTask,
     "math": MathTask,
+    "numbers": NumbersTask,
 }
 
 
@@ -133,6 +135,7 @@ __all__ = [
     "DatasetTask",
     "DemonstrationTask",
     "MathTask",
+    "NumbersTask",
     "Problem",
     "Score",
     "Task",
