@@ -89,11 +89,12 @@ def test_the_cli_refuses_a_bad_model_source_at_start(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("completion, ok", [
-    ("8", True), ("The answer is 8.", True), ("3 + 5 = 8", True), ("8.", True),
-    ("The answer is 9.", False), ("8, or maybe 9", False), ("", False), ("eight", False),
+    ("8", True), ("The answer is 8.", True), ("8.", True), (" 8\n", True), ("8, yes: 8", True),
+    ("3 + 5 = 8", False), ("The answer is 9.", False), ("8, or maybe 9", False), ("", False),
+    ("eight", False), ("5 is indeed 8", False),
     ("To solve this we add 3 and 5 which gives us the number 8 as the final answer", False),
 ])
-def test_numbers_reads_the_last_number_of_a_short_answer(completion: str, ok: bool) -> None:
+def test_numbers_succeeds_when_a_short_answer_writes_only_the_answer(completion: str, ok: bool) -> None:
     task = make_task("numbers")
     problem = Problem("numbers:What is 3 + 5?", "What is 3 + 5? Answer with just the number.", 8)
     assert task.score(problem, completion).success is ok

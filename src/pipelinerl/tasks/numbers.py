@@ -3,10 +3,12 @@ larger". The starting point RL needs on a 135M model (SmolLM2-135M-Instruct answ
 quarter of them at temperature 1, more greedily: docs/models.md), verifiable exactly.
 
 Prompt: ``What is 7 + 5? Answer with just the number.`` or ``Which number is larger, 47 or 38?
-Answer with just the number.`` The verifier reads the last number written. An answer must be
-short to count: a completion of more than `max_answer_words` words fails whatever number it
-ends on, so the model cannot earn reward by writing many numbers and ending on a lucky one
-(a truncated completion fails too, through `trainer.loss.truncated`). Problem ids are the
+Answer with just the number.`` A completion succeeds when every number it writes is the answer
+("8", "The answer is 8.") in at most `max_answer_words` words. Both rules close a way to earn
+reward without answering, each seen in a run: reading only the last number, SmolLM2 learned
+to write "87 is indeed 95" (the first number given, then the larger); without a length
+limit, a long ramble ending on a lucky number would count (a truncated completion fails too,
+through `trainer.loss.truncated`). Problem ids are the
 questions themselves, so a held-out question (tasks.split) is never asked in training.
 """
 
@@ -51,5 +53,5 @@ class NumbersTask:
     def score(self, problem: Problem, completion: str) -> Score:
         numbers = _NUMBER.findall(completion)
         ok = (bool(numbers) and len(completion.split()) <= self.max_answer_words
-              and int(numbers[-1]) == int(problem.answer))
+              and all(int(n) == int(problem.answer) for n in numbers))
         return Score(reward=1.0 if ok else 0.0, success=ok)
