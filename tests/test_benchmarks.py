@@ -44,9 +44,15 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
         ("trainer.py", "trainer", "| model | params | path | tok/s"),
         ("weight_sync.py", "weight_sync", "| params | MB | channel"),
         ("scoring.py", "scoring", "| verifier | verifier processes"),
+        # SmolLM2, prepared into the user cache (tests/test_real_model.py does it too).
+        ("real_model.py", "real_model", "| max new tokens | dtype | torch engine tok/s"),
     ],
 )
 def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str) -> None:
+    if script == "real_model.py":
+        from pipelinerl.models.sources import prepare
+
+        prepare("smollm2")
     results = BENCHMARKS / "RESULTS.md"
     before = results.read_text() if results.exists() else None
     out = tmp_path / "RESULTS.md"

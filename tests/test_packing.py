@@ -115,6 +115,16 @@ def test_pack_layout() -> None:
     assert [b.num_sequences for b in batches if b.input_ids.shape[1] > ROW] == [1]
 
 
+def test_context_versions_are_each_sequences_first_sampled_version() -> None:
+    s = make_samples()[0]
+    spanning = Sample(s.prompt_ids, s.token_ids, s.logprobs, [3, 3, 4, 4, 5], 1.0, True, "stop")
+    multi = Sample(s.prompt_ids, s.token_ids, s.logprobs, [-1, 2, -1, -1, 3], 0.0, False, "stop",
+                   model_mask=[False, True, False, False, True])  # env tokens first and between
+    batch = pack([spanning, multi], [1.0, -1.0], ROW)[0]
+    assert batch.versions.tolist() == [3, 3, 4, 4, 5, 2, 3]
+    assert batch.context_versions.tolist() == [3] * 5 + [2, 2]
+
+
 def test_pack_skips_empty_and_validates() -> None:
     s = make_samples()[:2]
     empty = Sample([1, 2], [], [], [], 0.0, False, "length")

@@ -89,14 +89,16 @@ def test_prompts_and_completions_round_trip_through_the_chat_template(
 
 def test_engine_logprobs_equal_transformers_in_fp32(smollm2: Path, hf: torch.nn.Module,
                                                     encoder: PromptEncoder) -> None:
-    """Six chat prompts of different lengths through 4 slots: prefill, decode, refill."""
+    """Chat prompts of different lengths through 4 slots: prefill, decode, refill; the
+    repeated ones (a group's attempts) share a prefill."""
     eng = engine(smollm2)
     stop = prompt_format(load_config(ROOT / "examples" / "smollm2.yaml"), smollm2)[1]
-    prompts = [encoder(q) for q in QUESTIONS]
+    prompts = [encoder(q) for q in [QUESTIONS[0]] * 3 + QUESTIONS[1:]]
     for i, p in enumerate(prompts):
         eng.add_request(GenerationRequest(f"r{i}", p, sampled(6 + 3 * i, stop)))
     outputs = run_to_end(eng)
     assert len({len(o.token_ids) for o in outputs.values()}) > 1
+    assert eng.stats.shared_prefill_tokens == 2 * len(prompts[0])
     for i, p in enumerate(prompts):
         out = outputs[f"r{i}"]
         torch.testing.assert_close(torch.tensor(out.logprobs),

@@ -227,6 +227,21 @@ def test_lag_and_lag0_mismatch() -> None:
     close(m["mismatch_k3"], (k3(0.1) + k3(-0.3) + k3(1.0) + k3(-2.0)) / 4)
 
 
+def test_lag0_mismatch_counts_only_tokens_whose_context_one_version_computed() -> None:
+    """Under a KV cache kept across an update, a token sampled by the trainer's version may
+    sit on K/V an older version computed: it differs from the trainer by more than numerics,
+    and is left out of the lag-0 mismatch (still lag 0 in lag_hist)."""
+    old = torch.tensor([-1.0, -1.0, -1.0], dtype=torch.float64)
+    new = old + torch.tensor([1e-6, 0.2, 0.3], dtype=torch.float64)
+    stats = LossStats()
+    stats.add(new, old, old, torch.tensor([5, 5, 5]), trainer_version=5,
+              context_versions=torch.tensor([5, 4, 3]))
+    m = stats.finalize()
+    close(m["lag0_tokens"], 1.0)
+    close(m["mismatch_abs_lag0"], 1e-6)
+    assert m["lag_hist"] == {"0": 3}
+
+
 def test_stats_mask_and_empty() -> None:
     stats = LossStats()
     assert stats.finalize() == {"tokens": 0.0}

@@ -85,6 +85,30 @@ def test_continuous_batching_matches_generating_each_prompt_alone(arch: str, max
     assert engine.stats.decode_steps < sum(budgets) - 8
 
 
+def test_requests_with_the_same_prompt_share_one_prefill() -> None:
+    """A group's attempts: the prompt is computed once, the copies get its K/V; each still
+    samples on its own, with exact log-probs, and greedy copies equal the prompt alone."""
+    hf = tiny_hf_model("qwen2")
+    ps = prompts(2)
+    order = [ps[0], ps[1], ps[0], ps[0], ps[1]]
+    engine = make_engine(hf, capacity=8, seed=5)
+    for i, p in enumerate(order):
+        engine.add_request(GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=9, temperature=1.0)))
+    outputs = run_to_end(engine)
+    assert engine.stats.prefill_tokens == len(ps[0]) + len(ps[1])
+    assert engine.stats.shared_prefill_tokens == 2 * len(ps[0]) + len(ps[1])
+    assert len({tuple(outputs[f"r{i}"].token_ids) for i in (0, 2, 3)}) > 1  # sampled apart
+    for i, p in enumerate(order):
+        out = outputs[f"r{i}"]
+        assert out.prompt_ids == p
+        expected = hf_logits(hf, out).log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    greedy_engine = make_engine(hf, capacity=3)
+    for i in range(3):
+        greedy_engine.add_request(GenerationRequest(f"g{i}", ps[1], greedy(7)))
+    assert all(o.token_ids == hf_greedy(hf, ps[1], 7) for o in run_to_end(greedy_engine).values())
+
+
 def test_decode_runs_over_active_slots_only_and_their_longest_length() -> None:
     hf = tiny_hf_model("qwen2")
     engine = make_engine(hf, capacity=8)

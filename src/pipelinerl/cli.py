@@ -105,8 +105,7 @@ def _main(argv: list[str] | None) -> int:
 
     if args.command == "prepare":
         try:
-            print(resolve_model_path(args.model) if args.model.endswith(".gguf")
-                  else prepare(args.model))
+            print(prepare(args.model))
         except ModelPathError as err:
             print(f"pipelinerl prepare: {err}", file=sys.stderr)
             return 2

@@ -39,7 +39,8 @@ class EngineStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     prefill_forwards: int = 0
-    prefill_tokens: int = 0  # prompt tokens written to the cache (padding excluded)
+    prefill_tokens: int = 0  # prompt tokens computed into the cache (padding excluded)
+    shared_prefill_tokens: int = 0  # prompt tokens copied from an identical prompt's cache
     extended_tokens: int = 0  # environment tokens appended to held sequences
     finished_requests: int = 0
     weight_updates: int = 0
@@ -286,16 +287,39 @@ class TorchEngine:
             self.stats.recomputed_tokens += int(self._len[: self._n].sum()) - self._n
 
     def _admit(self) -> None:
+        """Move queued requests into free slots and prefill them. Requests admitted together
+        with the same prompt (a group's attempts) share one prefill: the first is computed,
+        the others get a copy of its K/V and its last logits, which is what computing each
+        would give (same tokens at the same positions)."""
         start = self._n
         free = [s for s in range(start, self._capacity)
                 if self._requests[s] is None][: len(self._queue)]
         self._bring(free)
-        for _ in free:
-            self._place(self._n, self._queue.popleft())
+        admitted = [self._queue.popleft() for _ in free]
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its slot
+        copies: list[GenerationRequest] = []
+        for request in admitted:  # each distinct prompt first, the copies after them
+            key = tuple(request.prompt_ids)
+            if key in first:
+                copies.append(request)
+                continue
+            first[key] = self._n
+            self._place(self._n, request)
+            self._n += 1
+        computed = self._n
+        for request in copies:
+            self._place(self._n, request)
             self._n += 1
         lengths = self._len[start : self._n]
-        self.stats.prefill_tokens += int(lengths.sum())
-        self._sample_into(start, self._n, self._prefill(start, self._n, lengths))
+        self.stats.prefill_tokens += int(lengths[: computed - start].sum())
+        self.stats.shared_prefill_tokens += int(lengths[computed - start :].sum())
+        logits = self._prefill(start, computed, lengths[: computed - start])
+        if copies:
+            src = torch.tensor([first[tuple(r.prompt_ids)] for r in copies], device=self.device)
+            self._cache.move(src, torch.arange(computed, self._n, device=self.device),
+                             int(lengths[computed - start :].max()))
+            logits = torch.cat([logits, logits[src - start]])
+        self._sample_into(start, self._n, logits)
 
     def _place(self, slot: int, request: GenerationRequest) -> None:
         p: SamplingParams = request.params

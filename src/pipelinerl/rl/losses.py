@@ -164,9 +164,14 @@ class LossStats:
         clip_active: ClipActive = tis_clip_active(5.0),
         mask: Tensor | None = None,
         entropy: Tensor | None = None,
+        context_versions: Tensor | None = None,
     ) -> None:
         """Accumulate one micro-batch.
 
+        context_versions: per token, the oldest version whose weights computed part of its
+        context (`PackedBatch.context_versions`); the lag-0 mismatch counts only tokens whose
+        context is all their own version's, so that it measures engine-vs-trainer numerics
+        alone, not a KV cache kept across an update (None: every lag-0 token counts).
         clip_active: the loss's rule for a token whose clipped term is the active one
         (`tis_clip_active(c)`, `ppo_clip_active(eps)`); `clip_frac` counts those tokens.
         entropy: per token, the entropy of the trainer's distribution at that position
@@ -175,8 +180,9 @@ class LossStats:
         new, old, ver = new_logprobs.detach().double(), old_logprobs.double(), versions
         adv = advantages.detach()
         ent = None if entropy is None else entropy.detach().double()
+        ctx = ver if context_versions is None else context_versions
         if mask is not None:
-            new, old, ver, adv = new[mask], old[mask], ver[mask], adv[mask]
+            new, old, ver, adv, ctx = new[mask], old[mask], ver[mask], adv[mask], ctx[mask]
             ent = None if ent is None else ent[mask]
         if new.numel() == 0:
             return
@@ -188,7 +194,7 @@ class LossStats:
         k3 = rho - 1 - log_ratio
         abs_diff = log_ratio.abs()
         lag = trainer_version - ver.long()
-        lag0 = lag == 0
+        lag0 = (lag == 0) & (ctx == ver)
         values, counts = torch.unique(lag, return_counts=True)
         for v, c in zip(values.tolist(), counts.tolist()):
             self.lag_counts[v] = self.lag_counts.get(v, 0) + c

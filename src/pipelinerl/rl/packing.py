@@ -50,6 +50,10 @@ class PackedBatch:
     target_ids: Tensor  # (K,) long: the trained (completion) token
     old_logprobs: Tensor  # (K,) float32: engine log-prob mu(a_t)
     versions: Tensor  # (K,) long: policy version that sampled the token
+    # (K,) long: the version of the sequence's first sampled token. An engine that keeps its
+    # KV cache across an update computed the token's context with weights from this version
+    # up to its own; only where the two are equal did one set of weights compute it all.
+    context_versions: Tensor
     advantages: Tensor  # (K,) float32: the advantage of the token's sequence
     seq_idx: Tensor  # (K,) long: index of the token's sample in the list given to pack/pad
     num_sequences: int
@@ -103,6 +107,7 @@ def _build(
     targets: list[int] = []
     old_lp: list[float] = []
     versions: list[int] = []
+    context_versions: list[int] = []
     adv: list[float] = []
     seq_idx: list[int] = []
     for r, row in enumerate(rows):
@@ -123,6 +128,7 @@ def _build(
             targets += [s.token_ids[j] for j in trained]
             old_lp += [s.logprobs[j] for j in trained]
             versions += [s.versions[j] for j in trained]
+            context_versions += [s.versions[trained[0]]] * c if c else []
             adv += [float(advantages[i])] * c
             seq_idx += [i] * c
             offset += n
@@ -137,6 +143,7 @@ def _build(
         target_ids=torch.tensor(targets, dtype=torch.long),
         old_logprobs=torch.tensor(old_lp, dtype=torch.float32),
         versions=torch.tensor(versions, dtype=torch.long),
+        context_versions=torch.tensor(context_versions, dtype=torch.long),
         advantages=torch.tensor(adv, dtype=torch.float32),
         seq_idx=torch.tensor(seq_idx, dtype=torch.long),
         num_sequences=sum(len(row) for row in rows),

@@ -97,7 +97,7 @@ def rl_step(
         if loss_cfg.ess_lr_scale:
             _add_log_weights(step_log_weights, batch, new_lp)
         stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
-                  clip_active, entropy=scores.entropy)
+                  clip_active, entropy=scores.entropy, context_versions=batch.context_versions)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
