@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -21,8 +20,6 @@ from pathlib import Path
 
 from pipelinerl.cache import user_cache
 from pipelinerl.models.hf import ModelPathError, save_model
-
-log = logging.getLogger(__name__)
 
 SOURCE_FILE = "pipelinerl_source.json"  # written last: a directory without it is unfinished
 
