@@ -25,6 +25,8 @@ from pipelinerl.models.sources import prepare
 from pipelinerl.roles import open_rollout_reader
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
+from test_torch_engine import run_to_end  # noqa: E402
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 ATOL = 1e-4
@@ -53,13 +55,6 @@ def encoder(smollm2: Path) -> PromptEncoder:
 
 def engine(path: Path, capacity: int = 4, **kwargs: object) -> TorchEngine:
     return TorchEngine.from_pretrained(path, capacity=capacity, max_seq_len=160, seed=3, **kwargs)
-
-
-def run_to_end(eng: TorchEngine) -> dict[str, GenerationOutput]:
-    outputs: dict[str, GenerationOutput] = {}
-    while eng.num_active():
-        outputs.update((o.request_id, o) for o in eng.step())
-    return outputs
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.rollout import Rollouts, Transcript
+from pipelinerl.generation import completion_ids, sampling_from_config
 from pipelinerl.rl.advantages import Truncated, zero_variance
 from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
@@ -422,13 +423,6 @@ def generation(group_id: str) -> int:
     return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
 
 
-def completion_ids(out: GenerationOutput | Transcript) -> list[int]:
-    """The tokens the verifier reads: without the stop token the engine includes."""
-    if isinstance(out, Transcript):
-        return out.completion_ids()
-    return out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
-
-
 def to_sample(out: GenerationOutput | Transcript, score: Score, group_id: str, actor_id: int
               ) -> Sample:
     multi_turn = isinstance(out, Transcript)
@@ -444,16 +438,6 @@ def to_sample(out: GenerationOutput | Transcript, score: Score, group_id: str, a
         actor_id=actor_id,
         model_mask=out.model_mask if multi_turn else None,
         turns=out.model_turns if multi_turn else 1,
-    )
-
-
-def sampling_from_config(engine_cfg: Any, stop_token_ids: tuple[int, ...]) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=engine_cfg.max_new_tokens,
-        temperature=engine_cfg.temperature,
-        top_p=engine_cfg.top_p,
-        top_k=engine_cfg.top_k,
-        stop_token_ids=stop_token_ids,
     )
 
 

@@ -13,7 +13,7 @@ channel. It evaluates version 0 at once, then the newest version whenever `eval.
 or `eval.every_s` is due, and the final weights once the trainer's stop record says they are
 published. Each result goes to the run's `eval` stream; the trainer logs it to metrics.jsonl
 (as `eval/...` keys, at the step of the version evaluated and the wall-clock time that version
-was made) and waits for the final one before it plots and exits.
+was made; `pipelinerl.eval_results`) and waits for the final one before it plots and exits.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from pipelinerl.actor import completion_ids
 from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.rollout import Rollouts, Transcript
+from pipelinerl.eval_results import EVAL_PREFIX
+from pipelinerl.generation import completion_ids
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
 from pipelinerl.tasks.environment import is_environment
@@ -37,7 +38,6 @@ from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
-EVAL_PREFIX = "eval/"
 POLL_S = 0.05
 
 
@@ -225,7 +225,7 @@ def eval_device(cfg: Config) -> str:
 def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     """The held-out problems (`tasks.split`), the tokenizer's view of them, the verifier and
     an engine with the model at `model_path`, as the config asks."""
-    from pipelinerl.actor import sampling_from_config
+    from pipelinerl.generation import sampling_from_config
     from pipelinerl.engine import make_engine
     from pipelinerl.models.prompts import prompt_format
     from pipelinerl.tasks import heldout_problems, make_task
@@ -383,43 +383,3 @@ def _await_version(staging: _Staging, version: int, timeout_s: float) -> None:
                                f"sync.timeout_s={timeout_s:.0f} s")
         staging.pump(want=lambda v: True)
         time.sleep(POLL_S)
-
-
-# -- the trainer's side -----------------------------------------------------------------------
-
-
-class EvalResults:
-    """Reads the evaluator's results and logs them to metrics.jsonl: each at the step of the
-    version evaluated (its `step`) and the wall-clock time that version was made (its
-    `time_s`), so held-out accuracy plots against time like every other curve."""
-
-    def __init__(self, reader: Any, log_fn: Callable[[int, dict[str, Any]], None],
-                 attempt: int = 0) -> None:
-        self.reader = reader
-        self.log_fn = log_fn
-        self.attempt = attempt  # results of a crashed attempt's evaluator are not this one's
-        self.version_time: dict[int, float] = {0: 0.0}
-        self.final_logged = False
-
-    def made(self, version: int, time_s: float) -> None:
-        self.version_time[version] = time_s
-
-    def drain(self, timeout_s: float = 0.0) -> None:
-        for record in self.reader.read(max_count=64, timeout_s=timeout_s):
-            if record.pop("attempt", 0) != self.attempt:
-                continue
-            version = int(record.pop("version"))
-            self.final_logged |= bool(record.pop("final", False))
-            if record:  # else only the end marker of a version already logged
-                self.log_fn(version, {"time_s": self.version_time.get(version), **record,
-                                      f"{EVAL_PREFIX}version": version})
-
-    def wait_final(self, timeout_s: float) -> bool:
-        """Log results until the final one came; False if it did not within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while not self.final_logged and time.monotonic() < deadline:
-            self.drain(timeout_s=0.5)
-        if not self.final_logged:
-            log.warning("the evaluator's final result did not come within "
-                        "eval.final_timeout_s=%.0f s; see logs/evaluator.log", timeout_s)
-        return self.final_logged

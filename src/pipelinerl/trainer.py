@@ -479,7 +479,7 @@ def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool
 
 def run_trainer(cfg: Config) -> None:
     from pipelinerl.checkpoint import CheckpointDue, latest_checkpoint, read_state
-    from pipelinerl.evaluation import EvalResults
+    from pipelinerl.eval_results import EvalResults
     from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
     from pipelinerl.models.hf import load_model, load_tokenizer
     from pipelinerl.roles import (

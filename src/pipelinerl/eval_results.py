@@ -1,0 +1,49 @@
+"""The trainer's side of held-out evaluation: read the evaluator's results from the run's
+`eval` stream and log them to metrics.jsonl (pipelinerl.evaluation is the evaluator role)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+EVAL_PREFIX = "eval/"
+
+
+class EvalResults:
+    """Reads the evaluator's results and logs them to metrics.jsonl: each at the step of the
+    version evaluated (its `step`) and the wall-clock time that version was made (its
+    `time_s`), so held-out accuracy plots against time like every other curve."""
+
+    def __init__(self, reader: Any, log_fn: Callable[[int, dict[str, Any]], None],
+                 attempt: int = 0) -> None:
+        self.reader = reader
+        self.log_fn = log_fn
+        self.attempt = attempt  # results of a crashed attempt's evaluator are not this one's
+        self.version_time: dict[int, float] = {0: 0.0}
+        self.final_logged = False
+
+    def made(self, version: int, time_s: float) -> None:
+        self.version_time[version] = time_s
+
+    def drain(self, timeout_s: float = 0.0) -> None:
+        for record in self.reader.read(max_count=64, timeout_s=timeout_s):
+            if record.pop("attempt", 0) != self.attempt:
+                continue
+            version = int(record.pop("version"))
+            self.final_logged |= bool(record.pop("final", False))
+            if record:  # else only the end marker of a version already logged
+                self.log_fn(version, {"time_s": self.version_time.get(version), **record,
+                                      f"{EVAL_PREFIX}version": version})
+
+    def wait_final(self, timeout_s: float) -> bool:
+        """Log results until the final one came; False if it did not within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.final_logged and time.monotonic() < deadline:
+            self.drain(timeout_s=0.5)
+        if not self.final_logged:
+            log.warning("the evaluator's final result did not come within "
+                        "eval.final_timeout_s=%.0f s; see logs/evaluator.log", timeout_s)
+        return self.final_logged
