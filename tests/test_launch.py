@@ -27,7 +27,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 _FAKE_ROLE = """
 import os, sys, time
 from pathlib import Path
-from pipelinerl.launch import install_role_signal_handlers
+from pipelinerl.stop_signals import install_role_signal_handlers
 
 install_role_signal_handlers()
 role = next(a for a in sys.argv if a in ("trainer", "actor"))
@@ -143,7 +143,7 @@ def test_fake_roles_launcher_exits_promptly_after_sigint_at_random_moments(tmp_p
 _CLEANUP_SCRIPT = """
 import sys, time
 from pathlib import Path
-from pipelinerl.launch import install_role_signal_handlers
+from pipelinerl.stop_signals import install_role_signal_handlers
 
 install_role_signal_handlers()
 done = Path(sys.argv[1])
@@ -276,3 +276,45 @@ def test_stop_all_kills_a_hung_child_of_a_leader_that_already_left_fake_role(mon
     else:
         os.kill(child_pid, signal.SIGKILL)
         pytest.fail("the leader's hung child outlived _stop_all")
+
+
+class _SwallowsInterrupts:
+    """As `regex`'s Group.__del__ did: a Ctrl-C landing in a `__del__` raises there, and
+    Python prints 'Exception ignored' and goes on."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)  # the handler runs (and raises) in here
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_swallowed_during_start_up_still_stops_the_launcher(tmp_path: Path):
+    from pipelinerl.stop_signals import StopSignals
+
+    signals = StopSignals(interrupting=True)  # what the CLI installs at its first line
+    try:
+        _SwallowsInterrupts()  # collected at once: its __del__ runs and swallows the interrupt
+        assert signals.stop
+        cfg = load_config(EXAMPLE, ["name=swallowed", f"output_dir={tmp_path / 'runs'}",
+                                    f"warmstart.cache_dir={tmp_path / 'cache'}"])
+        assert launch(cfg, signals=signals) == 130
+        assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+    finally:
+        signals.restore()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_role_whose_stop_signal_was_swallowed_runs_nothing(tmp_path: Path):
+    from pipelinerl.cli import _run_role
+    from pipelinerl.stop_signals import StopSignals
+
+    ran: list[bool] = []
+    signals = StopSignals(interrupting=True)
+    try:
+        _SwallowsInterrupts()
+        cfg = load_config(EXAMPLE, ["name=role", f"output_dir={tmp_path / 'runs'}"])
+        assert _run_role("actor_0", cfg, signals, lambda cfg: ran.append(True)) == 130
+        assert ran == []
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

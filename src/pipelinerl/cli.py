@@ -11,6 +11,8 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
+from pipelinerl.stop_signals import StopSignals, install_role_signal_handlers
+
 if TYPE_CHECKING:
     from pipelinerl.config import Config
 
@@ -58,14 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run_role(role: str, cfg: Config, fn, *args) -> int:
+def _run_role(role: str, cfg: Config, signals: StopSignals, fn, *args) -> int:
     """Run a role; on failure write its traceback where the launcher shows it from."""
-    from pipelinerl.launch import ERROR_FILE, install_role_signal_handlers
+    from pipelinerl.launch import ERROR_FILE
 
     install_role_signal_handlers()
     error_file = cfg.run_dir / "logs" / ERROR_FILE.format(role=role)
     error_file.parent.mkdir(parents=True, exist_ok=True)
     try:
+        signals.check()  # a SIGTERM while the role imported, its interrupt swallowed
         fn(cfg, *args)
     except KeyboardInterrupt:
         return 130
@@ -76,16 +79,22 @@ def _run_role(role: str, cfg: Config, fn, *args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Installed before any heavy import: a Ctrl-C whose KeyboardInterrupt a library swallows
+    # is still acted on (stop_signals.py).
+    signals = StopSignals(interrupting=True)
     try:
-        return _main(argv)
+        return _main(argv, signals)
     except KeyboardInterrupt:
         # Ctrl-C before the launcher took over its signals (while importing, say): the same
         # quiet exit as after, never a traceback.
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        if not signals.stop:  # after one, the process is exiting: a further Ctrl-C stays quiet
+            signals.restore()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, signals: StopSignals) -> int:
     parser = _parser()
     # Overrides may follow an option (`train CONFIG --overwrite key=value`): argparse leaves
     # those unparsed, and they join the others.
@@ -96,6 +105,8 @@ def _main(argv: list[str] | None) -> int:
     if rest:
         args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in ("audit", "prepare", "eval"):
+        signals.hand_back()
     if args.command == "audit":
         from pipelinerl.audit import main as audit_main
 
@@ -132,7 +143,8 @@ def _main(argv: list[str] | None) -> int:
         again = shlex.join(["pipelinerl", "train", args.config, *args.overrides, "--resume"])
         if args.auto_resume and not cfg.trainer.max_restarts:
             cfg.trainer.max_restarts = 3
-        return launch(cfg, overwrite=args.overwrite, resume=args.resume, resume_command=again)
+        return launch(cfg, overwrite=args.overwrite, resume=args.resume, resume_command=again,
+                      signals=signals)
     if args.command == "eval":
         from pipelinerl.evaluation import evaluate_saved_model
 
@@ -145,15 +157,16 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "evaluator":
         from pipelinerl.evaluation import run_evaluator
 
-        return _run_role("evaluator", cfg, run_evaluator)
+        return _run_role("evaluator", cfg, signals, run_evaluator)
     if args.command == "trainer":
         from pipelinerl.trainer import run_trainer
 
         rank = os.environ.get("RANK", "0")
-        return _run_role("trainer" if rank == "0" else f"trainer_rank{rank}", cfg, run_trainer)
+        role = "trainer" if rank == "0" else f"trainer_rank{rank}"
+        return _run_role(role, cfg, signals, run_trainer)
     from pipelinerl.actor import run_actor
 
-    return _run_role(f"actor_{args.actor_id}", cfg, run_actor, args.actor_id)
+    return _run_role(f"actor_{args.actor_id}", cfg, signals, run_actor, args.actor_id)
 
 
 def run() -> None:

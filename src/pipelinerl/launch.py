@@ -14,14 +14,14 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO, Callable
 
 from pipelinerl.config import Config, save_config
 from pipelinerl.ports import free_port
+from pipelinerl.stop_signals import StopSignals
 
 ERROR_FILE = "{role}.error"
 # How long the trainer may keep running after every actor left. Actors leave on the trainer's
@@ -30,7 +30,6 @@ ACTORS_GONE_GRACE_S = 120.0
 ACTORS_LEAVE_S = 30.0  # for actors to see the stop record and leave on their own
 STOP_GRACE_S = 10.0  # for a role to stop on SIGTERM before it is killed
 POLL_S = 0.1
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass
@@ -213,54 +212,6 @@ def _failure_report(rp: RoleProcess, run_dir: Path) -> str:
     return text or f"(it wrote nothing; {ended})"
 
 
-class StopSignals:
-    """While installed, Ctrl-C and SIGTERM record themselves; the launcher's loop acts on them.
-
-    Raising KeyboardInterrupt at an arbitrary point instead could land inside `Popen.poll()`
-    and leave subprocess's internal wait lock held, after which `Popen.wait()` blocks for ever
-    (or inside an import, which some libraries then re-raise as another error).
-    """
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._interrupting = False
-        self._previous = {sig: signal.signal(sig, self._record) for sig in STOP_SIGNALS}
-
-    def _record(self, signum: int, frame: object) -> None:
-        self.received.append(signum)  # little else: the handler may interrupt any line
-        if self._interrupting and len(self.received) == 1:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def interrupting(self) -> Iterator[None]:
-        """Within, the first signal also raises KeyboardInterrupt: for long computation
-        before any role runs (the warm start), which has no loop to check the flag."""
-        if self.stop:
-            raise KeyboardInterrupt
-        self._interrupting = True
-        try:
-            yield
-        finally:
-            self._interrupting = False
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @property
-    def stop(self) -> bool:
-        return bool(self.received)
-
-    @property
-    def force(self) -> bool:
-        """A second signal: kill every role at once."""
-        return len(self.received) > 1
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.received[0] if self.received else signal.SIGINT)
-
-
 def _signal_role(rp: RoleProcess, sig: int, reaped_too: bool = False) -> None:
     # Normally only while the role is unreaped, so its process group id cannot have been
     # reused. `reaped_too`: within the stop grace, the group of a leader that already left
@@ -293,14 +244,15 @@ def _stop_all(procs: list[RoleProcess], signals: StopSignals) -> None:
 
 
 def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
-           resume_command: str = "") -> int:
+           resume_command: str = "", signals: StopSignals | None = None) -> int:
     """Run a whole job on this machine; returns the process exit code. `resume`: continue the
     run in cfg.run_dir from its newest checkpoint; `resume_command` is shown after a failure.
 
     After a stop signal the handlers stay installed: the process is exiting, and a further
-    Ctrl-C must not turn into a traceback on its way out.
+    Ctrl-C must not turn into a traceback on its way out. `signals`: the CLI's, installed at its
+    first line, so a Ctrl-C that came before is acted on here.
     """
-    signals = StopSignals()
+    signals = signals or StopSignals()
     try:
         try:
             with signals.interrupting():  # the warm start, the model check's imports
@@ -501,21 +453,3 @@ def _wait_for_exit(procs: list[RoleProcess], timeout_s: float, signals: StopSign
     deadline = time.monotonic() + timeout_s
     while _any_running(procs) and time.monotonic() < deadline and not signals.stop:
         time.sleep(POLL_S)
-
-
-def install_role_signal_handlers() -> None:
-    """In a role: the first Ctrl-C or SIGTERM unwinds it like Ctrl-C, so `finally` blocks run.
-
-    A later SIGTERM (a terminal's Ctrl-C and a scheduler's SIGTERM often both arrive) is then
-    ignored, so it cannot cut that cleanup short; a cleanup that hangs is the launcher's to
-    kill. A second Ctrl-C still interrupts it, as a person typing it expects.
-    """
-
-    def _first(signum: int, frame: object) -> None:
-        # A no-op handler, not SIG_IGN: that would survive exec into processes started later.
-        signal.signal(signal.SIGTERM, lambda *_: None)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise KeyboardInterrupt
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _first)
