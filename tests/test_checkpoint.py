@@ -226,3 +226,33 @@ def test_a_trainer_waiting_for_groups_tells_a_blocked_actor_from_a_dead_one(
 class _ListReaderEmpty:
     def read(self, max_count: int, timeout_s: float) -> list:
         return []
+
+
+def test_an_attempt_that_died_before_its_first_checkpoint_is_known_to_the_next(tmp_path: Path) -> None:
+    """Attempt 1 resumes from step 2, publishes versions 3 and 4 and dies before it writes a
+    checkpoint; attempt 2 resumes from the same checkpoint, which knows nothing of attempt 1.
+    Attempt 1's groups must still be dropped (before attempts.jsonl they were trained)."""
+    first = _trainer(tmp_path)
+    for seed in range(2):
+        first.train_step(_groups(seed))
+    path = first.save_checkpoint(_NoTokenizer())
+
+    def resumed(attempt: int) -> Trainer:
+        cfg = _trainer(tmp_path, f"attempt={attempt}").cfg
+        trainer = Trainer(cfg, tiny_hf_model("qwen2", seed=1).train(), source=_source(tmp_path),
+                          sender=None)
+        trainer.resume(path)
+        return trainer
+
+    resumed(1)  # ...and dies before its first checkpoint
+    second = resumed(2)
+    assert second.source.valid_upto == {0: 2, 1: 2}
+    lost = _groups(5, n_groups=1, version=3)[0]
+    lost.attempt = 1
+    kept = _groups(6, n_groups=1, version=2)[0]
+    kept.attempt = 1
+    with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
+        for g in (lost, kept):
+            w.write(g.to_dict())
+    assert [g.group_id for g in second.source.take(1, step=3)] == ["s6-g0"]
+    assert second.source.dropped == {"after_checkpoint": 1}

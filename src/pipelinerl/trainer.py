@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from pipelinerl.attempts import record_resume
 from pipelinerl.config import Config
 from pipelinerl.parallel import GatheredWeights, full_state_dict, is_sharded, shard_frozen, wrap_model
 from pipelinerl.rl.attention import set_packed_attention
@@ -259,12 +260,11 @@ class Trainer:
         self.tokens_trained = 0
         self.success_ema: float | None = None
         self.published_version = 0  # version 0 is the model every role starts from
-        self.resumes: list[tuple[int, int]] = []  # (attempt, the step it resumed from)
 
     # -- checkpoints (pipelinerl.checkpoint) ------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """The JSON part of a checkpoint (rank 0's: it alone reads the stream)."""
-        return {"attempt": self.cfg.attempt, "resumes": self.resumes,
+        return {"attempt": self.cfg.attempt,
                 "samples_trained": self.samples_trained, "tokens_trained": self.tokens_trained,
                 "elapsed_s": time.monotonic() - self.started_at, "compute_s": self.compute_s,
                 "success_ema": self.success_ema,
@@ -289,7 +289,7 @@ class Trainer:
         checkpoint's offsets; the source gets back what was read and not trained."""
         from pipelinerl.checkpoint import load_checkpoint
 
-        state: dict[str, Any] = {"resumes": [], "samples_trained": 0, "tokens_trained": 0,
+        state: dict[str, Any] = {"samples_trained": 0, "tokens_trained": 0,
                                  "elapsed_s": 0.0, "compute_s": 0.0, "success_ema": None,
                                  "source": None, "step": 0}
         if path is not None:
@@ -299,12 +299,12 @@ class Trainer:
         self.samples_trained, self.tokens_trained = state["samples_trained"], state["tokens_trained"]
         self.started_at = time.monotonic() - state["elapsed_s"]  # time_s continues
         self.compute_s, self.success_ema = state["compute_s"], state["success_ema"]
-        self.resumes = [tuple(r) for r in state["resumes"]] + [(self.cfg.attempt, self.step)]
-        if self.source is not None:
+        if self.source is not None:  # rank 0: it alone reads the stream and keeps the history
             if state["source"] is not None:
                 self.source.restore(state["source"])
             self.source.returned_changed = True  # the new attempt's actors learn it at once
-            self.source.valid_upto = valid_upto(self.resumes)
+            resumes = record_resume(self.cfg.run_dir, self.cfg.attempt, self.step)
+            self.source.valid_upto = valid_upto(resumes)
 
     def batches(self) -> Iterator[list[Group]]:
         """Yields one batch of groups per optimizer step, on the configured schedule."""

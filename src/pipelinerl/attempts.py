@@ -1,0 +1,41 @@
+"""The run's attempt history: which step each attempt resumed from.
+
+It lives in `attempts.jsonl` in the run directory, appended to (and fsynced) as each resumed
+attempt starts, not in a checkpoint: an attempt that dies before its first checkpoint must
+still be known to the next one, or the groups made with the weights it published (and lost)
+would be trained as if they belonged to the run's history (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+ATTEMPTS_FILE = "attempts.jsonl"
+
+
+def record_resume(run_dir: Path, attempt: int, step: int) -> list[tuple[int, int]]:
+    """Record that `attempt` resumed from `step`; every resume of the run so far, in order."""
+    path = Path(run_dir) / ATTEMPTS_FILE
+    with path.open("a") as f:
+        f.write(json.dumps({"attempt": attempt, "resumed_from_step": step}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return read_resumes(run_dir)
+
+
+def read_resumes(run_dir: Path) -> list[tuple[int, int]]:
+    """(attempt, the step it resumed from) per resume recorded. A line cut short by a crash
+    while it was written is the last one, and ignored: its attempt never ran."""
+    path = Path(run_dir) / ATTEMPTS_FILE
+    if not path.exists():
+        return []
+    resumes = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        resumes.append((int(row["attempt"]), int(row["resumed_from_step"])))
+    return resumes
