@@ -132,6 +132,25 @@ def test_a_redis_server_restart_mid_run_is_survived(tmp_path: Path) -> None:
     assert trained == 10 * 4
 
 
+def test_a_finished_redis_run_extended_with_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """docs/reliability.md's way to extend a run: each resumed actor continues its predecessor
+    (group ids, claim, weights), whether or not the final checkpoint's trim reached the
+    predecessor's last record (tests/test_streams.py shows the case where it does)."""
+    args = _args(tmp_path, "extend", "trainer.max_steps=4", "stream.backend=redis")
+    run_dir = tmp_path / "runs" / "extend"
+    first = _train(args)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    extended = _train([*args, "trainer.max_steps=8"], "--resume")
+    _, err = extended.communicate(timeout=300)
+    assert extended.returncode == 0, err
+    assert _steps(run_dir) == list(range(1, 9))
+    assert "actor 0 continues after" in (run_dir / "logs" / "actor_0.log").read_text()
+    code, (published, trained, dropped, lost, duplicated), text = _audit(run_dir)
+    assert (lost, duplicated, code) == (0, 0, 0), text
+    assert trained == 8 * 4
+
+
 def test_sigint_at_random_moments_always_stops_the_run_cleanly(tmp_path: Path) -> None:
     """Wherever Ctrl-C lands once the interpreter runs our code (imports, warm-start, spawning,
     supervising, a role's first step), it exits with 130 within the stop grace and leaves no

@@ -24,6 +24,7 @@ from pipelinerl.streams import (
     open_writer,
     start_redis_server,
 )
+from pipelinerl.streams.base import WriterStateLost
 from pipelinerl.streams.local import LocalStreamReader, LocalStreamWriter
 from pipelinerl.streams.redis_server import RedisServer
 from pipelinerl.streams.redis_stream import RedisStreamReader, stream_key
@@ -407,3 +408,39 @@ def test_redis_last_record_is_the_writers_own(redis_server: RedisServer) -> None
         for i in range(300):  # more than one page back to a's record
             b.write({"j": i})
         assert a.last_record() == {"i": 0} and b.last_record() == {"j": 299}
+
+
+def test_local_last_record_survives_a_trim_of_every_segment_holding_it(tmp_path: Path) -> None:
+    """The writer rolled on to an empty segment and the reader trimmed the full ones: a
+    restarted writer still finds its predecessor's newest record (on main: None, so a
+    restarted actor began its count and group ids again)."""
+    with LocalStreamWriter(tmp_path, "s", "a", segment_bytes=30) as w:
+        for i in range(3):
+            w.write({"i": i, "pad": "x" * 20})  # each record fills a segment
+    r = LocalStreamReader(tmp_path, "s")
+    assert [x["i"] for x in r.read(10, timeout_s=0.5)] == [0, 1, 2]
+    r.trim(r.offsets())
+    r.close()
+    assert [p.name for p in (tmp_path / "s").glob("*.jsonl")] == ["a@3.jsonl"]
+    with LocalStreamWriter(tmp_path, "s", "a", segment_bytes=30) as w:
+        assert w.last_record()["i"] == 2
+    (tmp_path / "s" / "a.last.json").unlink()  # lost: the writer refuses to guess
+    with LocalStreamWriter(tmp_path, "s", "a", segment_bytes=30) as w, \
+            pytest.raises(WriterStateLost, match="its last record"):
+        w.last_record()
+
+
+def test_redis_last_record_survives_a_trim_of_the_whole_stream(redis_server: RedisServer) -> None:
+    loc = {"url": redis_server.url, "run": f"trimmed-{time.time_ns()}"}
+    with open_writer("redis", stream="s", writer_id="a", **loc) as a:
+        a.write({"i": 0})
+        a.write({"i": 1})
+    with open_reader("redis", stream="s", **loc) as r:
+        assert len(r.read(10, timeout_s=0.5)) == 2
+        assert r.trim(r.offsets()) == 2
+    with open_writer("redis", stream="s", writer_id="a", **loc) as a:
+        assert a.last_record() == {"i": 1}
+    redis.Redis.from_url(redis_server.url).delete(stream_key(loc["run"], "s") + ":last")
+    with open_writer("redis", stream="s", writer_id="a", **loc) as a, \
+            pytest.raises(WriterStateLost, match="its last record is gone"):
+        a.last_record()

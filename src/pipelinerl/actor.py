@@ -453,6 +453,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         open_rollout_writer,
         open_weight_receiver,
     )
+    from pipelinerl.streams.base import WriterStateLost
     from pipelinerl.tasks import make_train_task
 
     if not 0 <= actor_id < cfg.actor.num_actors:
@@ -476,7 +477,12 @@ def run_actor(cfg: Any, actor_id: int) -> None:
 
     writer = open_rollout_writer(cfg, actor_id)
     ledger = open_admission_ledger(cfg)
-    predecessor = writer.last_record()  # an earlier process of this actor (restart, resume)
+    try:
+        predecessor = writer.last_record()  # an earlier process of this actor (restart, resume)
+    except WriterStateLost as err:
+        raise RuntimeError(f"actor {actor_id} refuses to start: {err}. Without it the actor "
+                           "would repeat group ids, under-count its admission claim and "
+                           "restart its data") from None
     if predecessor is not None:
         log.info("actor %d continues after %d groups its earlier process published; its "
                  "groups in flight then are generated again", actor_id, predecessor["seq"])

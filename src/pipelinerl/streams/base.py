@@ -5,8 +5,19 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 
+class WriterStateLost(RuntimeError):
+    """A writer's stream shows it wrote before, but its last record is gone: a restarted
+    writer cannot know where its predecessor stopped, and must not guess."""
+
+
 class StreamWriter(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
+
+    def last_record(self) -> dict[str, Any] | None:
+        """The newest record this writer id wrote (an earlier process's too), kept where no
+        trim reaches it; None if it never wrote one. Raises WriterStateLost if it did but the
+        record is gone."""
+        ...
 
     def close(self) -> None: ...
 

@@ -7,6 +7,9 @@ one stream without interleaving bytes. The reader merges every writer of the str
 each writer's segments in order, and remembers per writer the segment and byte offset just
 past the last record it returned; saving `offsets()` with a checkpoint and reopening with them
 resumes without loss or repeats. `trim(offsets)` deletes the whole segments before them.
+The writer also keeps its newest record in `<writer_id>.last.json` (replaced atomically with
+each write, before the segment can roll): a trim can delete every segment holding it, and a
+restarted writer must still learn where its predecessor stopped (`last_record`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
+
+from pipelinerl.streams.base import WriterStateLost
 
 log = logging.getLogger(__name__)
 
@@ -102,35 +107,62 @@ class LocalStreamWriter:
     def _open_segment(self) -> None:
         self._file = open(self.path, "a+b")  # readable too, to inspect a torn tail
 
+    @property
+    def _tail_path(self) -> Path:
+        return self.dir / f"{self.writer_id}.last.json"
+
     def write(self, record: dict[str, Any]) -> None:
-        self._append(_encode(record))
+        line = _encode(record)
+        self._append(line, tail=line)
 
     def last_record(self) -> dict[str, Any] | None:
         """The newest complete record this writer id wrote (an earlier process's too): how a
-        restarted writer learns where its predecessor stopped. A torn tail is passed over."""
-        for segment in reversed(_segments(self.dir, self.writer_id)):
+        restarted writer learns where its predecessor stopped. A torn tail is passed over.
+        The segments' newest record if they hold one (the kept copy can lag it by a crash
+        between the two writes), else the kept copy (the segments holding it were trimmed)."""
+        segments = _segments(self.dir, self.writer_id)
+        for segment in reversed(segments):
             with open(self.dir / segment_name(self.writer_id, segment), "rb") as f:
                 record = _last_record(f.fileno())
             if record is not None:
                 return record
-        return None
+        try:
+            return json.loads(self._tail_path.read_bytes())
+        except FileNotFoundError:
+            if max(segments, default=0) > 0:  # it rolled, so it wrote
+                raise WriterStateLost(
+                    f"writer {self.writer_id!r} wrote {self.dir} segments up to "
+                    f"{max(segments)}, but its last record ({self._tail_path.name}) is gone") from None
+            return None
 
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
-        data = b"".join(_encode(r) for r in records)
-        if data:
-            self._append(data)
+        lines = [_encode(r) for r in records]
+        if lines:
+            self._append(b"".join(lines), tail=lines[-1])
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: bytes, tail: bytes | None = None) -> None:
+        """`tail`: the last record of `data`, kept apart (before the segment may roll)."""
         self._file.write(data)
         self._file.flush()  # in the OS page cache now: a crash of this process loses nothing
         if self._fsync:
             os.fsync(self._file.fileno())  # survives a machine crash too
+        if tail is not None:
+            self._keep_tail(tail)
         if self._segment_bytes and self._file.tell() >= self._segment_bytes:
             # The next segment appears only after this one's last record is written: a
             # reader that sees it knows this one is complete.
             self._close_segment()
             self.segment += 1
             self._open_segment()
+
+    def _keep_tail(self, line: bytes) -> None:
+        tmp = self._tail_path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(line)
+            if self._fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self._tail_path)  # atomic: a reader sees the old record or the new
 
     def _close_segment(self) -> None:
         self._file.flush()

@@ -27,6 +27,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from pipelinerl.streams.base import WriterStateLost
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _SOCKET_TIMEOUT_S = 30.0  # a dead server is reported within this, never a hang
 _MAX_BLOCK_S = 5.0  # XREAD BLOCK is cut into slices well under the socket timeout
@@ -94,6 +96,7 @@ local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if tonumber(ARGV[2]) <= last then return 0 end
 redis.call('XADD', KEYS[1], '*', 'w', ARGV[1], 'd', ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 return 1
 """
 
@@ -108,6 +111,9 @@ class RedisStreamWriter:
         self.url = url
         self.key = stream_key(run, stream)
         self._seq_key = f"{self.key}:seq"
+        # Each writer's newest record, set in the same script as its XADD: trims never reach
+        # it, so a restarted writer learns where its predecessor stopped (last_record).
+        self._last_key = f"{self.key}:last"
         self._writer_id = writer_id.encode()
         # Retried writes are safe: each record carries the writer's next sequence number and
         # the script stores it once (_ADD_ONCE).
@@ -122,7 +128,7 @@ class RedisStreamWriter:
 
     def _add(self, data: bytes, client: Any) -> None:
         self._seq += 1
-        self._add_once(keys=[self.key, self._seq_key], args=[self._writer_id, self._seq, data],
+        self._add_once(keys=[self.key, self._seq_key, self._last_key], args=[self._writer_id, self._seq, data],
                        client=client)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -144,20 +150,17 @@ class RedisStreamWriter:
             if len(pipe):
                 pipe.execute()
 
-    def last_record(self, page: int = 256) -> dict[str, Any] | None:
+    def last_record(self) -> dict[str, Any] | None:
         """The newest record this writer id wrote (an earlier process's too): how a restarted
-        writer learns where its predecessor stopped. Scans back from the stream's end."""
-        end = "+"
+        writer learns where its predecessor stopped."""
         with _naming_url(self.url):
-            while entries := self._client.xrevrange(self.key, max=end, min="-", count=page):
-                for entry_id, fields in entries:
-                    if fields[b"w"] == self._writer_id:
-                        return json.loads(fields[b"d"])
-                ms, seq = parse_id(entries[-1][0].decode())
-                if ms == 0 and seq == 0:
-                    return None
-                end = f"({ms}-{seq}"  # exclusive: before the oldest entry of this page
-        return None
+            data = self._client.hget(self._last_key, self._writer_id)
+        if data is None:
+            if self._seq:
+                raise WriterStateLost(f"writer {self._writer_id.decode()!r} wrote {self._seq} "
+                                      f"records to {self.key}, but its last record is gone")
+            return None
+        return json.loads(data)
 
     def close(self) -> None:
         self._client.close()
