@@ -377,3 +377,20 @@ def test_scorer_stops_loudly_when_workers_can_never_start(tmp_path):
                 assert _score_all(scorer, task, [f"g{i}"]) == {f"g{i}": "verifier_crash"}
     finally:
         scorer.close()
+
+
+def test_a_restarted_actor_draws_other_problems_than_its_predecessor():
+    """Seeded by run seed and actor id only (main), every restart or resume replayed the run's
+    first problems; each process of an actor now has a seed of its own, reproducibly."""
+    from pipelinerl.tasks import make_train_task
+
+    def first_problems(predecessor: dict[str, Any] | None) -> list[str]:
+        task = make_train_task("arithmetic", {}, 0.0)
+        actor = make_actor(FakeEngine(), task, Schedule(batch_size=8, group_size=4, max_lag=1),
+                           seed=3, actor_id=1, predecessor=predecessor)
+        return [task.sample_problem(actor.rng).prompt for _ in range(8)]
+
+    restarted = {"heartbeat": True, "generation": 0, "seq": 0, "data_pos": None}
+    assert first_problems(None) == first_problems(None)
+    assert first_problems(restarted) == first_problems(restarted)
+    assert first_problems(restarted) != first_problems(None)

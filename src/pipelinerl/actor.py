@@ -163,7 +163,6 @@ class Actor:
         self.receiver = receiver
         self.should_stop = should_stop
         self.actor_id = actor_id
-        self.rng = random.Random(seed * 1000 + actor_id)
         self.max_seq_len = max_seq_len
         self.max_prompt_tokens = max_seq_len - sampling.max_new_tokens
         self.scorer = Scorer(task, verifier_timeout_s, verifier_workers)
@@ -189,15 +188,15 @@ class Actor:
         self._next_group = 0  # for unique group ids
         # Which process of this actor: in the ids of its groups, which are numbered as they
         # start and published as they finish (so a predecessor's last one is not its highest).
-        self._generation = 0
+        self._generation = next_generation(predecessor)
+        # Each process draws its own problems: one seeded like its predecessor would replay
+        # the run's first ones after every restart or resume.
+        self.rng = random.Random(process_seed(seed, actor_id, self._generation))
         # An actor that continues another (a restart, a resumed run) starts nothing under the
         # starting model's weights: it waits for the trainer's current ones.
         self.needs_weights = predecessor is not None and receiver is not None
         if predecessor is not None:
             self.published = int(predecessor["seq"])
-            last = (predecessor["generation"] if predecessor.get("heartbeat")
-                    else generation(predecessor["group_id"]))
-            self._generation = last + 1
             if predecessor.get("data_pos") is not None:
                 self.task.seek(predecessor["data_pos"])
         # This actor's claim: published + started and not yet published (none yet).
@@ -417,6 +416,20 @@ class Actor:
         self._last_write = time.monotonic()
 
 
+def next_generation(predecessor: dict[str, Any] | None) -> int:
+    """The process number of an actor whose predecessor wrote `predecessor` last (0: none)."""
+    if predecessor is None:
+        return 0
+    last = (predecessor["generation"] if predecessor.get("heartbeat")
+            else generation(predecessor["group_id"]))
+    return last + 1
+
+
+def process_seed(seed: int, actor_id: int, generation: int) -> int:
+    """A seed per run seed, actor and process of that actor (generation < 1_000_003)."""
+    return (seed * 1000 + actor_id) * 1_000_003 + generation
+
+
 def generation(group_id: str) -> int:
     """The actor process that started a group: 0 for `a<actor>-g<n>`, r for `a<actor>-r<r>-g<n>`."""
     parts = group_id.split("-")
@@ -462,7 +475,6 @@ def run_actor(cfg: Any, actor_id: int) -> None:
                          f"{cfg.actor.num_actors})")
     torch.set_num_threads(cfg.actor.threads)
     encode, stop_ids, tokenizer = prompt_format(cfg, cfg.model.path)
-    engine = make_engine(cfg.engine, cfg.model.path, seed=cfg.seed * 1000 + actor_id)
     control = Control(open_control_reader(cfg), cfg.attempt)
     last_check = [0.0]
 
@@ -483,6 +495,9 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         raise RuntimeError(f"actor {actor_id} refuses to start: {err}. Without it the actor "
                            "would repeat group ids, under-count its admission claim and "
                            "restart its data") from None
+    # The engine samples with a seed of its own process too, not its predecessor's.
+    engine = make_engine(cfg.engine, cfg.model.path,
+                         seed=process_seed(cfg.seed, actor_id, next_generation(predecessor)))
     if predecessor is not None:
         log.info("actor %d continues after %d groups its earlier process published; its "
                  "groups in flight then are generated again", actor_id, predecessor["seq"])
