@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import json
+import os
 import random
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -16,8 +21,8 @@ from pipelinerl.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from pipelinerl.config import load_config
-from pipelinerl.metrics.logger import open_run_jsonl
+from pipelinerl.config import MetricsConfig, load_config
+from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.trainer import BatchSource, Trainer, valid_upto
 from pipelinerl.types import Group, Sample
@@ -125,6 +130,51 @@ def test_a_save_interrupted_mid_write_leaves_the_previous_checkpoint(
     assert [p.name for p in (trainer.cfg.run_dir / "checkpoints").iterdir()] == ["step_00000001"]
 
 
+class _Crash(BaseException):
+    """The process dies here."""
+
+
+def test_a_save_replacing_its_step_leaves_it_loadable_whenever_it_is_cut_short(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same step saved again (keep=1: no older checkpoint to fall back on), killed before
+    each rename or delete in turn, and each time on top of what the previous kill left."""
+    trainer = _trainer(tmp_path, "trainer.checkpoint_keep=1")
+    trainer.train_step(_groups(0))
+    trainer.save_checkpoint(_NoTokenizer())
+    expected = _weights(trainer)
+    run_dir = trainer.cfg.run_dir
+    for crash_at in itertools.count():
+        done = [0]
+
+        def dies_at_crash(real: Callable[..., object]) -> Callable[..., object]:
+            def op(*args: object, **kwargs: object) -> object:
+                if done[0] == crash_at:
+                    raise _Crash
+                done[0] += 1
+                return real(*args, **kwargs)
+            return op
+
+        monkeypatch.setattr(Path, "rename", dies_at_crash(Path.rename))
+        monkeypatch.setattr(shutil, "rmtree", dies_at_crash(shutil.rmtree))
+        try:
+            trainer.save_checkpoint(_NoTokenizer())
+            crashed = False
+        except _Crash:
+            crashed = True
+        monkeypatch.undo()
+        path = latest_checkpoint(run_dir)
+        assert path is not None, f"no checkpoint after a crash at operation {crash_at}"
+        resumed = _trainer(tmp_path, "attempt=1")
+        resumed.resume(path)
+        assert resumed.step == 1
+        for name, value in _weights(resumed).items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+        if not crashed:
+            break
+    # The save that ran to the end cleared what the crashes left.
+    assert os.listdir(run_dir / "checkpoints") == ["step_00000001"]
+
+
 def test_checkpoint_due_by_steps_or_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
     monkeypatch.setattr("pipelinerl.checkpoint.time.monotonic", lambda: clock[0])
@@ -148,6 +198,25 @@ def test_resume_cuts_the_metrics_after_the_checkpoint_and_keeps_them_aside(tmp_p
     assert [r["step"] for r in aside] == [6, 7] and {r["discarded_by_attempt"] for r in aside} == {1}
     with pytest.raises(FileExistsError):
         open_run_jsonl(path, resume_step=None, attempt=0)  # a new run never appends
+
+
+def _synced(f: object) -> bool:
+    """Every write reaches the disk before it returns (O_DSYNC)."""
+    return bool(fcntl.fcntl(f.fileno(), fcntl.F_GETFL) & os.O_DSYNC)
+
+
+def test_metrics_and_trained_rows_are_on_disk_once_written(tmp_path: Path) -> None:
+    """A checkpoint (fsynced) counts the rows written before it: after a machine crash they
+    must be there too, in a new run's files and in a resumed run's."""
+    logger = MetricsLogger(tmp_path, MetricsConfig(), "r", {})
+    assert _synced(logger._file)
+    logger.log(1, {"time_s": 1.0})
+    logger.close()
+    with open_run_jsonl(tmp_path / "trained.jsonl", resume_step=None, attempt=0) as f:
+        assert _synced(f)
+    resumed = MetricsLogger(tmp_path, MetricsConfig(), "r", {}, resume_step=1, attempt=1)
+    assert _synced(resumed._file)
+    resumed.close()
 
 
 def test_valid_versions_per_attempt_after_resumes() -> None:

@@ -152,6 +152,93 @@ def test_weights_changing_mid_pass_are_refused() -> None:
              between_steps=lambda: engine.load_weights(weights, version=4))
 
 
+# ---- the evaluator role after a resume, with stand-ins for its engine and channels ----------
+
+
+class _Receiver:
+    """The resumed trainer's channel: it published its checkpoint's weights."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    def poll(self) -> int:
+        return self.version
+
+    def receive_into(self, tensors: dict) -> int:
+        return self.version
+
+    def close(self) -> None:
+        pass
+
+
+class _Records:
+    """A stream: records written, or read once."""
+
+    def __init__(self, records: list[dict] | None = None) -> None:
+        self.records = records or []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict]:
+        out, self.records = self.records, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class _Engine:
+    version = 0
+
+    def load_weights(self, tensors: dict, version: int) -> None:
+        self.version = version
+
+
+class _Setup:
+    def __init__(self) -> None:
+        self.evaluated: list[int] = []
+
+    def run(self, engine: _Engine, between_steps: object) -> dict[str, float]:
+        self.evaluated.append(engine.version)
+        return {"eval/greedy": 0.5}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("logged_before_the_crash", [False, True])
+def test_a_resumed_evaluator_evaluates_the_checkpoints_version_unless_it_was_logged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logged_before_the_crash: bool) -> None:
+    """Attempt 1 resumes from the checkpoint of step 4 and stops there (a finished run resumed).
+    The crashed attempt's result for version 4, if any, counts only once in metrics.jsonl: the
+    trainer logs no other attempt's results."""
+    import pipelinerl.evaluation as evaluation
+    import pipelinerl.models.hf as hf
+    import pipelinerl.roles as roles
+
+    cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
+                                 "attempt=1", "eval.every_steps=1", "eval.every_s=0"])
+    rows = [{"step": s} for s in range(1, 5)] + [{"step": 2, "eval/version": 2}]
+    if logged_before_the_crash:
+        rows.append({"step": 4, "eval/version": 4})
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    setup, results = _Setup(), _Records()
+    stop = {"type": "stop", "attempt": 1, "step": 4, "final_published": True}
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(evaluation, "build_eval_setup", lambda cfg, path: (setup, _Engine()))
+    monkeypatch.setattr(hf, "load_model", lambda *a, **kw: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(roles, "open_weight_receiver", lambda *a: _Receiver(4))
+    monkeypatch.setattr(roles, "open_eval_writer", lambda cfg: results)
+    monkeypatch.setattr(roles, "open_control_reader", lambda cfg: _Records([stop]))
+    evaluation.run_evaluator(cfg)
+    assert setup.evaluated == ([] if logged_before_the_crash else [4])
+    final = {"version": 4, "final": True, "attempt": 1}
+    assert results.records == ([final] if logged_before_the_crash else [
+        {"version": 4, "final": False, "attempt": 1, "eval/greedy": 0.5}, final])
+
+
 # ---- the evaluator role in a run, and `pipelinerl eval` (slow) ------------------------------
 
 

@@ -8,7 +8,10 @@
 
 A checkpoint is written into `.step_<N>.tmp`, every file fsynced, then renamed: a directory
 named `step_*` is complete, and a crash mid-write leaves only a `.tmp` that is never loaded
-(and is removed by the next save). The newest `keep` are kept.
+(and is removed by the next save). A save of a step that has a checkpoint already moves the
+old one aside to `.step_<N>.old` before renaming the new one in, and deletes it only then: a
+crash between the two renames leaves the old one there, and it is step N's checkpoint until a
+complete `step_<N>` exists. The newest `keep` are kept.
 
 A sharded trainer (`trainer.strategy=fsdp2`) writes the same content in another form:
 
@@ -44,7 +47,8 @@ from pipelinerl.parallel import is_sharded
 log = logging.getLogger(__name__)
 
 DIR = "checkpoints"
-_NAME = re.compile(r"^step_(\d{8})$")
+_NAME = re.compile(r"^step_\d{8}$")
+_ASIDE = re.compile(r"^\.(step_\d{8})\.old$")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -52,12 +56,15 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a `.tmp` directory is never one)."""
+    """Complete checkpoints, oldest first, one per step: `step_N`, else a `.step_N.old` that a
+    save replacing it left when it was cut short (a `.tmp` directory is never one)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "state.json").exists()]
-    return sorted(found, key=lambda p: p.name)
+    complete = [p for p in root.iterdir() if (p / "state.json").exists()]
+    found = {m[1]: p for p in complete if (m := _ASIDE.match(p.name))}
+    found.update({p.name: p for p in complete if _NAME.match(p.name)})
+    return [found[step] for step in sorted(found)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -91,8 +98,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
     tmp = root / f".{final.name}.tmp"
     if main:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.tmp"):  # a crash mid-write left it: never complete
-            shutil.rmtree(stale, ignore_errors=True)
+        # A crash mid-write left a .tmp, never complete; one mid-replace a .old, superseded
+        # once its step_N is complete.
+        live = complete_checkpoints(run_dir)
+        for stale in [*root.glob(".step_*.tmp"), *root.glob(".step_*.old")]:
+            if stale not in live:
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     try:
         if sharded:
@@ -115,10 +126,15 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if main:
-        if final.exists():  # the same step again (a resumed run's last one): replace it whole
-            shutil.rmtree(final)
+        # The same step again (a resumed run's last one) replaces it whole; the old copy is
+        # deleted only once the new one is in place and durable, so a crash never leaves the
+        # step without a complete checkpoint (complete_checkpoints finds the one aside).
+        aside = root / f".{final.name}.old"
+        if final.exists():
+            final.rename(aside)
         tmp.rename(final)
         _fsync(root)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if sharded:

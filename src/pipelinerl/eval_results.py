@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -47,3 +49,13 @@ class EvalResults:
             log.warning("the evaluator's final result did not come within "
                         "eval.final_timeout_s=%.0f s; see logs/evaluator.log", timeout_s)
         return self.final_logged
+
+
+def logged_versions(metrics_path: Path) -> set[int]:
+    """The versions whose results `metrics_path` holds (the trainer may be appending to it)."""
+    if not metrics_path.exists():
+        return set()
+    key = f"{EVAL_PREFIX}version"
+    with metrics_path.open() as f:  # only whole rows: the last may be half-written
+        rows = [json.loads(line) for line in f if key in line and line.endswith("\n")]
+    return {int(row[key]) for row in rows if key in row}

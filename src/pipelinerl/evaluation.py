@@ -29,8 +29,9 @@ import torch
 from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.rollout import Rollouts, Transcript
-from pipelinerl.eval_results import EVAL_PREFIX
+from pipelinerl.eval_results import EVAL_PREFIX, logged_versions
 from pipelinerl.generation import completion_ids
+from pipelinerl.metrics.logger import METRICS
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
 from pipelinerl.tasks.environment import is_environment
@@ -352,10 +353,14 @@ def run_evaluator(cfg: Config) -> None:
         if cfg.attempt == 0:
             run_pass(final=False)  # version 0: the starting policy, before any update
         else:
-            # A resumed run: the checkpoint's version comes first; the crashed attempt may have
-            # evaluated it, so evaluation goes on from the next one due.
+            # A resumed run: the checkpoint's version comes first. The trainer logs no other
+            # attempt's results, so it is evaluated unless metrics.jsonl holds its result
+            # already (the trainer cut the file back to the checkpoint before publishing it).
             _await_version(staging, 0, cfg.sync.timeout_s)
-            due.done(staging.version)
+            if staging.version in logged_versions(cfg.run_dir / METRICS):
+                due.done(staging.version)
+            else:
+                run_pass(final=False)
         while control.stop is None:
             staging.pump(want=due)
             if due(staging.version):

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import IO, Any
 
 from pipelinerl.config import MetricsConfig
+
+METRICS = "metrics.jsonl"
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, run_name: str, config: dict[str, Any],
                  resume_step: int | None = None, attempt: int = 0):
         """`resume_step`: a resumed run continues the file after that step (open_run_jsonl)."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self._file = open_run_jsonl(self.path, resume_step, attempt)
         self._tb = None
         self._wandb = None
@@ -61,10 +64,21 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def _open_synced(path: Path, mode: str) -> IO[str]:
+    """`path`, line-buffered and opened with O_DSYNC: each row is on disk when its write
+    returns. A checkpoint counts the rows written before it and is itself fsynced, so after a
+    machine crash a resume must find them too (else steps it counts are missing from the file,
+    and groups from trained.jsonl). One synchronous write per row, two per optimizer step
+    (~0.3 ms each on a local disk): negligible next to a step, and unlike a sync before each
+    checkpoint it needs nothing of the code that writes the rows and saves the checkpoints."""
+    return open(path, mode, buffering=1,
+                opener=lambda name, flags: os.open(name, flags | os.O_DSYNC, 0o666))
+
+
 def open_new_jsonl(path: Path) -> IO[str]:
     """Create `path` for one launch's records; never append to another launch's file."""
     try:
-        return path.open("x", buffering=1)  # O_EXCL: two trainers cannot both get it
+        return _open_synced(path, "x")  # O_EXCL: two trainers cannot both get it
     except FileExistsError:
         raise FileExistsError(
             f"{path} already exists: another launch wrote it. Choose another `name=` or "
@@ -82,14 +96,15 @@ def open_run_jsonl(path: Path, resume_step: int | None, attempt: int) -> IO[str]
     lines = path.read_text().splitlines(keepends=True) if path.exists() else []
     keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
     gone = [line for line in lines if line.strip() and json.loads(line)["step"] > resume_step]
-    if gone:
-        with path.with_name(path.stem + ".discarded.jsonl").open("a") as f:
+    if gone:  # on disk before the cut file replaces the one that holds them
+        with _open_synced(path.with_name(path.stem + ".discarded.jsonl"), "a") as f:
             f.writelines(json.dumps({**json.loads(line), "discarded_by_attempt": attempt}) + "\n"
                          for line in gone)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(keep))
+    with _open_synced(tmp, "w") as f:  # on disk before the rename publishes it
+        f.write("".join(keep))
     tmp.replace(path)  # atomic: a crash here leaves the old file or the cut one
-    return path.open("a", buffering=1)
+    return _open_synced(path, "a")
 
 
 def _clean(value: Any) -> Any:
