@@ -270,3 +270,22 @@ def test_a_dataset_with_a_user_reward_trains_and_evaluates_through_the_cli(tmp_p
         f"<|im_start|>user\n{groups[0]['prompt']}<|im_end|>\n<|im_start|>assistant\n")
     ends = {s["token_ids"][-1] for g in groups for s in g["samples"] if s["finish_reason"] == "stop"}
     assert ends <= {0, 2}  # <|endoftext|> or <|im_end|>
+
+
+def test_every_row_of_a_prompt_lands_on_the_same_side_of_the_split(tmp_path: Path) -> None:
+    # Each prompt on two rows, the second spaced differently: a held-out prompt must never be
+    # trained on through its other row (review issue 25, F5).
+    prompts = [f"What is {a} + {b}?" for a in range(10) for b in range(5)]
+    rows = ([{"q": q, "sol": "0"} for q in prompts]
+            + [{"q": f" {q.replace(' is ', ' is  ')}\n", "sol": "0"} for q in prompts])
+    params = {"path": str(_jsonl(tmp_path / "d.jsonl", rows)), "prompt_column": "q",
+              "answer_column": "sol"}
+    train = make_train_task("dataset", params, 0.2)
+    drawn = {" ".join(train.sample_problem(random.Random(0)).prompt.split())
+             for _ in range(4 * len(rows))}
+    held = heldout_problems(make_task("dataset", params), 1000, seed=0, heldout_frac=0.2)
+    held_prompts = {" ".join(p.prompt.split()) for p in held}
+    assert not drawn & held_prompts
+    assert drawn | held_prompts == set(prompts)
+    assert len(held_prompts) == len(held)  # each held-out prompt once, however many rows
+    assert 0 < len(held) < len(prompts)

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from pipelinerl.rl.attention import use_per_sequence_attention
+from pipelinerl.rl.attention import _segments, use_per_sequence_attention
 from pipelinerl.rl.losses import reinforce_tis_loss
 from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, token_logprobs
 from pipelinerl.types import Sample
@@ -232,6 +232,44 @@ def test_per_sequence_attention_refuses_a_sequence_beyond_the_sliding_window() -
     use_per_sequence_attention(model)
     with pytest.raises(ValueError, match="sliding window"):
         token_logprobs(model, pack(samples, [0.0] * len(samples), 40)[0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_sequence_segments_are_found_once_per_forward(arch: str, monkeypatch) -> None:
+    """The segments cost one host copy per forward however deep the model, not one per layer
+    (review issue 25, F8: a view made per layer missed the cache every time)."""
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu",
+                        lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
+
+    def host_copies(layers: int) -> int:
+        model = tiny_hf_model(arch, num_hidden_layers=layers)
+        use_per_sequence_attention(model)
+        batch = pack(make_samples_for(VOCAB_HF), [0.0] * len(SHAPES), 40)[0]  # new positions
+        copies.clear()
+        with torch.no_grad():
+            token_logprobs(model, batch)
+        return len(copies)
+
+    assert host_copies(4) == host_copies(1) > 0
+
+
+def test_per_sequence_segments_follow_an_in_place_write() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    assert _segments(positions) == [[(0, 3), (3, 5)], [(0, 5)]]
+    positions[0, 3:] = torch.tensor([3, 4])  # the same tensor, one sequence: the cache is stale
+    assert _segments(positions) == [[(0, 5)], [(0, 5)]]
+
+
+def test_per_sequence_attention_broadcasts_one_row_of_positions() -> None:
+    """Rows without a mask or positions get the model's single row of positions: plain causal."""
+    ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("per_sequence")
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+        model.set_attn_implementation("sdpa")
+        torch.testing.assert_close(got, model(input_ids=ids, use_cache=False).logits)
 
 
 @pytest.mark.parametrize("truncation", [None, (3, 1.0), (0, 0.7), (4, 0.6)])

@@ -3,6 +3,7 @@ deadline, and the registry's errors."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -11,7 +12,8 @@ import time
 
 import pytest
 
-from pipelinerl.tasks import ChainArithmeticTask, MathTask, Problem, make_task
+from pipelinerl.tasks import (ChainArithmeticTask, MathTask, Problem, heldout_problems, make_task,
+                              make_train_task)
 from pipelinerl.tasks.math import last_boxed
 
 
@@ -210,6 +212,24 @@ def test_math_custom_fields_and_template(tmp_path) -> None:
     assert task.problems[0].prompt == "Q: What is 2+2?\nA:"
     with pytest.raises(ValueError, match="problem"):
         MathTask(str(data), prompt_template="no slot")
+
+
+def test_math_rows_of_one_problem_land_on_the_same_side_of_the_split(tmp_path) -> None:
+    # Each problem on two lines, the second spaced differently: a held-out problem must never
+    # be trained on through its other line (review issue 25, F5).
+    questions = [f"What is {a} * {b}?" for a in range(10) for b in range(5)]
+    lines = [json.dumps({"problem": q, "answer": "0"}) for q in questions]
+    lines += [json.dumps({"problem": q.replace(" is ", " is  ") + " ", "answer": "0"})
+              for q in questions]
+    params = {"dataset_path": str(_write(tmp_path / "d.jsonl", lines)),
+              "prompt_template": "{problem}"}
+    train, rng = make_train_task("math", params, 0.2), random.Random(0)
+    drawn = {" ".join(train.sample_problem(rng).prompt.split()) for _ in range(2000)}
+    held = {" ".join(p.prompt.split())
+            for p in heldout_problems(make_task("math", params), 200, seed=0, heldout_frac=0.2)}
+    assert not drawn & held
+    assert drawn | held == set(questions)
+    assert 0 < len(held) < len(questions)
 
 
 def test_math_empty_or_all_bad_dataset(tmp_path) -> None:

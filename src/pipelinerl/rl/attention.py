@@ -22,17 +22,20 @@ from pipelinerl.config import TrainerConfig
 
 NAME = "per_sequence"
 
-# The segments of the last position_ids seen: every layer of one forward gets the same tensor,
-# so they are found once per forward (on a GPU, without a host sync per layer).
-_last: tuple[Tensor, list[list[tuple[int, int]]]] | None = None
+# The segments of the last position_ids seen and that tensor's version (an in-place write makes
+# them stale): every layer of one forward gets the model's same tensor, so they are found once
+# per forward (on a GPU, one host sync rather than one per layer).
+_last: tuple[Tensor, int, list[list[tuple[int, int]]]] | None = None
 
 
 def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     """Per row, (start, end) of each sequence: a new one wherever the position does not
-    continue the previous by one."""
+    continue the previous by one. `position_ids` must be the tensor the model passes to every
+    layer, not a view made per call: the cache is keyed on the tensor itself."""
     global _last
-    if _last is not None and _last[0] is position_ids:
-        return _last[1]
+    last = _last
+    if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+        return last[2]
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     length = position_ids.shape[1]
@@ -40,7 +43,7 @@ def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     for row in starts.cpu():
         begin = row.nonzero().flatten().tolist()
         rows.append(list(zip(begin, begin[1:] + [length])))
-    _last = (position_ids, rows)
+    _last = (position_ids, position_ids._version, rows)
     return rows
 
 
@@ -56,7 +59,9 @@ def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value:
                                       scaling=scaling, position_ids=position_ids, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     rows = []
-    per_row = _segments(position_ids.expand(query.shape[0], -1))
+    per_row = _segments(position_ids)
+    if len(per_row) == 1:  # one row of positions for every row of the batch
+        per_row = per_row * query.shape[0]
     window = kwargs.get("sliding_window")
     if window is not None and max(e - s for segments in per_row for s, e in segments) > window:
         raise ValueError(f"trainer.packed_attention=per_sequence: a sequence is longer than this "

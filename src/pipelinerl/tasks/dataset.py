@@ -4,13 +4,15 @@
 folder of such files (split by file name: train.jsonl, test.jsonl, ...) or a folder written
 by `save_to_disk`; never the hub. Columns map to prompts (`prompt_column`, or a
 `prompt_template` over any columns), answers (`answer_column`) and ids (`id_column`, else
-`<split>:<row>`). A bad row is skipped, counted and named in the log.
+`<split>:<row>`; the rows of one prompt share its first row's id, `one_id_per_prompt`). A bad
+row is skipped, counted and named in the log.
 
 Training reads the `split` in epochs, each in its own order (`shuffle_seed`, epoch); with
 several actors, actor k of n takes positions k, k + n, ... (`shard`). The position travels
 with every published group (`Group.data_pos`), so a restarted actor or a resumed run continues
 where it stopped (`seek`). The held-out set is the `test_split` when one is named, else the
-rows of `split` whose id the run's `task.heldout_frac` holds out (the split every task uses).
+rows of `split` whose id the run's `task.heldout_frac` holds out (the split every task uses):
+all the rows of a prompt, or none.
 
 The reward is `module:function`, called as `function(prompt, completion, answer)`; it returns a
 float (success when at least `success_threshold`), a bool, or a `Score`.
@@ -18,6 +20,7 @@ float (success when at least `success_threshold`), a bool, or a `Score`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -39,6 +42,20 @@ DEFAULT_REWARD = f"{__name__}:exact_match"
 def exact_match(prompt: str, completion: str, answer: Any) -> bool:
     """The default reward: the completion, stripped, is the answer."""
     return completion.strip() == str(answer).strip()
+
+
+def prompt_key(prompt: str) -> str:
+    """What makes two prompts one problem: their text, runs of whitespace aside."""
+    return " ".join(prompt.split())
+
+
+def one_id_per_prompt(problems: list[Problem]) -> list[Problem]:
+    """Each problem under the id of the first one with its prompt (`prompt_key`). The held-out
+    split hashes ids (`tasks.split`): with an id per row, a prompt on two rows could be held out
+    on one and trained on through the other."""
+    first: dict[str, str] = {}
+    return [dataclasses.replace(p, problem_id=first.setdefault(prompt_key(p.prompt), p.problem_id))
+            for p in problems]
 
 
 def load_splits(path: Path) -> dict[str, Any]:
@@ -119,7 +136,7 @@ class DatasetTask:
         if not problems:
             raise ValueError(f"dataset {str(self.path)!r}, split {split!r}: no usable rows "
                              f"(skipped: {dict(self.skipped) or 'the split is empty'})")
-        return problems
+        return one_id_per_prompt(problems)
 
     def _problem(self, split: str, index: int, row: dict[str, Any]) -> tuple[Problem | None, str]:
         if self.prompt_template is not None:
@@ -175,7 +192,8 @@ class DatasetTask:
 
     def heldout_problems(self, n: int, seed: int, heldout_frac: float) -> list[Problem]:
         """At most `n` distinct held-out problems, in an order fixed by `seed`."""
-        pool = self.test or [p for p in self.train if is_heldout(p.problem_id, heldout_frac)]
+        rows = self.test or [p for p in self.train if is_heldout(p.problem_id, heldout_frac)]
+        pool = list({prompt_key(p.prompt): p for p in rows}.values())  # a prompt's rows: once
         if not pool:
             raise ValueError(f"dataset {str(self.path)!r}: no held-out rows (name a test_split, "
                              "or raise task.heldout_frac)")

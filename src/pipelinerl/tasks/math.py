@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelinerl.tasks.base import Problem, Score
+from pipelinerl.tasks.dataset import one_id_per_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class MathTask:
                 f"(need JSON objects with {self.problem_field!r} and {self.answer_field!r}; "
                 f"skipped: {dict(self.skipped) or 'file is empty'})"
             )
-        return problems
+        return one_id_per_prompt(problems)  # a problem on two lines: one id, one split side
 
     def _parse_row(self, line: str) -> tuple[str | None, dict]:
         try:
