@@ -325,3 +325,24 @@ def test_an_attempt_that_died_before_its_first_checkpoint_is_known_to_the_next(t
             w.write(g.to_dict())
     assert [g.group_id for g in second.source.take(1, step=3)] == ["s6-g0"]
     assert second.source.dropped == {"after_checkpoint": 1}
+
+
+def _checkpoint_choice(rank: int, world: int, run_dir: str) -> str:
+    """Rank 1 lists the directory through a stale cache: it misses the newest checkpoint."""
+    import pipelinerl.checkpoint as checkpoint
+
+    if rank == 1:
+        listing = checkpoint.complete_checkpoints
+        checkpoint.complete_checkpoints = lambda d: listing(d)[:-1]
+    return checkpoint.agreed_latest_checkpoint(Path(run_dir)).name
+
+
+def test_every_rank_resumes_from_rank_0s_newest_checkpoint(tmp_path: Path) -> None:
+    from ranks import run_ranks
+
+    trainer = _trainer(tmp_path)
+    for seed in range(2):
+        trainer.train_step(_groups(seed))
+        trainer.save_checkpoint(_NoTokenizer())
+    # Each rank listing the directory itself (as run_trainer did) would resume rank 1 at step 1.
+    assert run_ranks(2, _checkpoint_choice, str(trainer.cfg.run_dir)) == ["step_00000002"] * 2

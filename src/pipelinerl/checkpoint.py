@@ -72,6 +72,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def agreed_latest_checkpoint(run_dir: Path) -> Path | None:
+    """Rank 0's newest checkpoint, on every rank of the trainer's group: on a shared file
+    system with attribute caching, ranks listing the directory themselves can see different
+    newest ones (DDP replicas would diverge silently, FSDP2 would load a mix of two steps)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return latest_checkpoint(run_dir)
+    choice = [latest_checkpoint(run_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
 def rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

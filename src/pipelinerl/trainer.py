@@ -478,7 +478,7 @@ def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool
 
 
 def run_trainer(cfg: Config) -> None:
-    from pipelinerl.checkpoint import CheckpointDue, latest_checkpoint, read_state
+    from pipelinerl.checkpoint import CheckpointDue, agreed_latest_checkpoint, read_state
     from pipelinerl.eval_results import EvalResults
     from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
     from pipelinerl.models.hf import load_model, load_tokenizer
@@ -505,7 +505,7 @@ def run_trainer(cfg: Config) -> None:
     run_dir = cfg.run_dir
     # A resumed run (attempt > 0) continues from its newest complete checkpoint, or from the
     # starting model when the crashed attempt wrote none.
-    checkpoint = latest_checkpoint(run_dir) if cfg.attempt else None
+    checkpoint = agreed_latest_checkpoint(run_dir) if cfg.attempt else None
     state = read_state(checkpoint)
     resume_step = (state or {}).get("step", 0) if cfg.attempt else None
     logger = audit = None
