@@ -346,3 +346,40 @@ def test_every_rank_resumes_from_rank_0s_newest_checkpoint(tmp_path: Path) -> No
         trainer.save_checkpoint(_NoTokenizer())
     # Each rank listing the directory itself (as run_trainer did) would resume rank 1 at step 1.
     assert run_ranks(2, _checkpoint_choice, str(trainer.cfg.run_dir)) == ["step_00000002"] * 2
+
+
+def test_a_resume_with_more_steps_or_another_lr_continues_the_lr_without_a_jump(tmp_path: Path) -> None:
+    """On main, a raised max_steps re-stretched the cosine decay from its start (the lr jumped
+    up) and a changed trainer.lr was overwritten by the checkpoint's, silently."""
+    first = _trainer(tmp_path)  # cosine, 2 warm-up steps, max_steps 10, lr 1e-4
+    for seed in range(5):
+        first.train_step(_groups(seed))
+    path = first.save_checkpoint(_NoTokenizer())
+    at_checkpoint = first.optimizer.param_groups[0]["lr"]  # the lr of step 5 (0-based)
+
+    longer = _trainer(tmp_path, "attempt=1", "trainer.max_steps=20")
+    longer.resume(path)
+    assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(at_checkpoint, rel=1e-12)
+    lrs = []
+    for seed in range(5, 20):
+        longer.train_step(_groups(seed))
+        lrs.append(longer.optimizer.param_groups[0]["lr"])
+    assert all(a > b for a, b in zip([at_checkpoint, *lrs], lrs[:-1]))  # decays, never jumps
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-15)  # reaches 0 at the new max_steps
+
+    other_lr = _trainer(tmp_path, "attempt=2", "trainer.lr=3e-4")
+    other_lr.resume(path)
+    assert other_lr.optimizer.param_groups[0]["lr"] == pytest.approx(3 * at_checkpoint, rel=1e-9)
+
+
+def test_extending_a_run_whose_lr_decayed_to_0_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    first = _trainer(tmp_path, "trainer.lr_schedule=linear", "trainer.max_steps=3")
+    for seed in range(3):
+        first.train_step(_groups(seed))
+    path = first.save_checkpoint(_NoTokenizer())
+    with pytest.raises(ValueError, match="reached 0 at step 3.*trainer.lr_schedule=constant"):
+        _trainer(tmp_path, "attempt=1", "trainer.lr_schedule=linear",
+                 "trainer.max_steps=6").resume(path)
+    constant = _trainer(tmp_path, "attempt=2", "trainer.lr_schedule=constant", "trainer.max_steps=6")
+    constant.resume(path)
+    assert constant.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)

@@ -31,7 +31,7 @@ from pipelinerl.rl.losses import (
     reinforce_tis_loss,
 )
 from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens, token_logprobs
-from pipelinerl.rl.schedule import lr_factor, make_scheduler
+from pipelinerl.rl.schedule import LrFactor, make_scheduler
 from pipelinerl.rl.step import _sequence_ess, rl_step
 from pipelinerl.types import Group, Sample
 from ranks import run_ranks
@@ -62,7 +62,7 @@ def test_defaults_are_off() -> None:
     assert (AdvantageConfig().baseline, AdvantageConfig().std_normalize) == ("mean", False)
     assert ActorConfig().drop_zero_variance is False
     assert (tc.lr_schedule, tc.warmup_steps) == ("constant", 0)
-    assert [lr_factor(s, "constant", 0, 10) for s in range(12)] == [1.0] * 12
+    assert [LrFactor("constant", 0, 10)(s) for s in range(12)] == [1.0] * 12
 
 
 # ---- lr warm-up and schedule ------------------------------------------------------------
@@ -70,11 +70,11 @@ def test_defaults_are_off() -> None:
 
 def test_lr_factor_by_hand() -> None:
     # W = 2 warm-up steps of max_steps = 6: steps 0, 1 get 1/2, 2/2; then p = (s - 2) / 4.
-    assert [lr_factor(s, "constant", 2, 6) for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
+    assert [LrFactor("constant", 2, 6)(s) for s in range(6)] == [0.5, 1, 1, 1, 1, 1]
     # linear: 1 - p = 1, 0.75, 0.5, 0.25 at s = 2..5; 0 at s = 6 (never taken) and after.
-    close([lr_factor(s, "linear", 2, 6) for s in range(8)], [0.5, 1, 1, 0.75, 0.5, 0.25, 0, 0])
+    close([LrFactor("linear", 2, 6)(s) for s in range(8)], [0.5, 1, 1, 0.75, 0.5, 0.25, 0, 0])
     # cosine: (1 + cos(pi p)) / 2 = 1, (1 + 0.7071068) / 2, 0.5, (1 - 0.7071068) / 2, 0
-    close([lr_factor(s, "cosine", 2, 6) for s in range(7)],
+    close([LrFactor("cosine", 2, 6)(s) for s in range(7)],
           [0.5, 1, 1, 0.8535534, 0.5, 0.1464466, 0], tol=1e-7)
 
 

@@ -27,7 +27,7 @@ from pipelinerl.attempts import record_resume
 from pipelinerl.config import Config
 from pipelinerl.parallel import GatheredWeights, full_state_dict, is_sharded, shard_frozen, wrap_model
 from pipelinerl.rl.attention import set_packed_attention
-from pipelinerl.rl.schedule import make_scheduler
+from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import WeightSender
 from pipelinerl.types import HEARTBEAT_S, Group, Sample
@@ -295,6 +295,8 @@ class Trainer:
         if path is not None:
             state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
+        for change in continue_schedule(self.scheduler, self.cfg.trainer):
+            log.warning("resume: %s", change)
         self.published_version = -1  # this attempt's channel holds nothing yet
         self.samples_trained, self.tokens_trained = state["samples_trained"], state["tokens_trained"]
         self.started_at = time.monotonic() - state["elapsed_s"]  # time_s continues
