@@ -23,6 +23,7 @@ from pipelinerl.sync import (
     make_sender,
 )
 from pipelinerl.sync import shm as shm_mod
+from pipelinerl.sync.layout import WeightLayout
 from pipelinerl.sync.shm import shm_path
 
 torch.set_num_threads(1)
@@ -511,7 +512,7 @@ class _Streamed:
 
     def __init__(self, version: int) -> None:
         self._weights = _weights(version)
-        self.layout = shm_mod.WeightLayout.from_weights(self._weights)
+        self.layout = WeightLayout.from_weights(self._weights)
         self.device = torch.device("cpu")
         self.most_alive = 0
         self.yielded = 0
@@ -541,7 +542,7 @@ def test_streamed_weights_are_sent_one_tensor_at_a_time_shm() -> None:
             assert streamed.most_alive <= 1  # the previous copy at most, while the next is made
         with pytest.raises(ValueError, match="layout"):
             bigger = _Streamed(3)
-            bigger.layout = shm_mod.WeightLayout.from_weights({**_weights(3), "x": torch.ones(2)})
+            bigger.layout = WeightLayout.from_weights({**_weights(3), "x": torch.ones(2)})
             sender.publish(bigger, 3)
     finally:
         receiver.close()

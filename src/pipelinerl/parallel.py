@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from pipelinerl.config import FsdpConfig, TrainerConfig
-from pipelinerl.sync.shm import ParamSpec, WeightLayout
+from pipelinerl.sync.layout import ParamSpec, WeightLayout
 
 
 def wrap_model(model: torch.nn.Module, tc: TrainerConfig, device: str, world: int

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from pipelinerl.sync.shm import WeightLayout
+from pipelinerl.sync.layout import WeightLayout
 
 
 @runtime_checkable
@@ -34,8 +33,6 @@ def open_weights(weights: Weights, first: WeightLayout | None
                  ) -> tuple[WeightLayout, Iterator[torch.Tensor], bool]:
     """(layout, one tensor per slot in order, whether any is on a GPU) of a publish; a layout
     that differs from the first publish's (`first`) raises."""
-    from pipelinerl.sync.shm import WeightLayout
-
     if isinstance(weights, Mapping):
         layout = first or WeightLayout.from_weights(weights)
         sources = layout.sources(weights)

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl.sync.base import Weights, open_weights
-from pipelinerl.sync.shm import WeightLayout
+from pipelinerl.sync.layout import WeightLayout
 
 logger = logging.getLogger(__name__)
 
