@@ -83,6 +83,25 @@ def test_a_killed_actor_is_restarted_and_nothing_is_lost(tmp_path: Path) -> None
     assert len(ids) == len(set(ids))
 
 
+def test_a_killed_actor_is_restarted_over_broadcast_and_nothing_is_lost(tmp_path: Path) -> None:
+    """The weight group is formed again to take the restarted actor (on main a dead actor
+    ended a broadcast run)."""
+    args = _args(tmp_path, "bcast-kill", "trainer.max_steps=10", "actor.num_actors=2",
+                 "sync.backend=broadcast")
+    run_dir = tmp_path / "runs" / "bcast-kill"
+    proc = _train(args)
+    _wait_for_step(proc, run_dir, 3)
+    os.kill(_pid_of(f"actor {run_dir}/config.yaml --actor-id 1"), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "actor_1 died (exit code -9); restarting it" in err
+    assert "formed again (epoch 1)" in err  # the trainer's log
+    assert _steps(run_dir) == list(range(1, 11))
+    code, (published, trained, dropped, lost, duplicated), text = _audit(run_dir)
+    assert (lost, duplicated, code) == (0, 0, 0), text
+    assert trained == 10 * 4
+
+
 def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_path: Path) -> None:
     # Segments of 16 KB (a few groups each), so checkpoints delete the stream's old ones.
     args = _args(tmp_path, "trainer-kill", "trainer.max_steps=14",

@@ -312,10 +312,11 @@ def test_factory() -> None:
 
 
 def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int],
-                    dtype: torch.dtype, timeout_s: float, q: Any) -> None:
+                    dtype: torch.dtype, timeout_s: float, q: Any, may_rejoin: bool = False) -> None:
     torch.set_num_threads(1)
     try:
-        r = BroadcastWeightReceiver(init, actor_id, n_actors, timeout_s=timeout_s)
+        r = BroadcastWeightReceiver(init, actor_id, n_actors, timeout_s=timeout_s,
+                                    rendezvous_timeout_s=60, may_rejoin=may_rejoin)
         targets = _targets(dtype, with_head=actor_id == 0)
         for expected in versions:
             deadline = time.monotonic() + 60
@@ -399,6 +400,43 @@ def test_broadcast_dead_actor_fails_loudly_naming_it() -> None:
         sender.close()
         survivor.kill()
         _reap(survivor, doomed)
+
+
+def test_broadcast_group_is_formed_again_when_a_dead_actor_is_restarted() -> None:
+    """As the launcher restarts a dead actor: the new process rejoins, the trainer forms a new
+    group at its next publish, and every member receives every later version (on main the
+    new process was refused, 'another process already joined with this actor id')."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q_survivor, q_doomed, q_new = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
+    survivor = SPAWN.Process(target=_bcast_receiver,
+                             args=(init, 0, 2, [1, 2, 3], torch.float32, 30.0, q_survivor))
+    doomed = SPAWN.Process(target=_bcast_receiver,
+                           args=(init, 1, 2, [1], torch.float32, 30.0, q_doomed))
+    survivor.start()
+    doomed.start()
+    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=30, rendezvous_timeout_s=60)
+    restarted = SPAWN.Process(target=_bcast_receiver,
+                              args=(init, 1, 2, [2, 3], torch.float32, 30.0, q_new, True))
+    try:
+        sender.publish(_weights(1), 1)
+        assert _get(q_survivor)[:2] == (0, 1) and _get(q_doomed)[:2] == (1, 1)
+        doomed.kill()
+        doomed.join()
+        restarted.start()
+        for v in (2, 3):
+            sender.publish(_weights(v), v)
+            for q, actor_id in ((q_survivor, 0), (q_new, 1)):
+                got = _get(q)
+                assert got[:2] == (actor_id, v), got
+                _assert_same(_unpack(got[2]), v)
+        assert sender.epoch == 1
+        sender.close()
+        assert (_get(q_survivor), _get(q_new)) == ((0, "closed"), (1, "closed"))
+    finally:
+        sender.close()
+        survivor.kill()
+        restarted.kill()
+        _reap(survivor, doomed, restarted)
 
 
 def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:

@@ -501,7 +501,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     if predecessor is not None:
         log.info("actor %d continues after %d groups its earlier process published; its "
                  "groups in flight then are generated again", actor_id, predecessor["seq"])
-    receiver = open_weight_receiver(cfg, actor_id)
+    receiver = open_weight_receiver(cfg, actor_id, restarted=predecessor is not None)
     mode_g = cfg.conventional_g if cfg.mode == "conventional" else 0
     task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
     if hasattr(task, "shard"):  # a dataset: each actor reads its own positions

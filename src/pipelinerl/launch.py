@@ -339,9 +339,8 @@ def _run(cfg: Config, signals: StopSignals, resume_command: str = "") -> tuple[i
             _, args, threads, to_log = specs[role]
             return _spawn(role, args, cfg, threads, to_log, append=True)
 
-        # Only an actor is restarted, and only over shared memory: a broadcast group cannot
-        # take a new member.
-        restarts = cfg.actor.max_restarts if cfg.sync.backend == "shm" else 0
+        # Only an actor is restarted (a broadcast channel forms its group again to take it).
+        restarts = cfg.actor.max_restarts
         # After the stop record the actors leave while the trainer may still wait for the
         # evaluation of its final weights.
         grace = ACTORS_GONE_GRACE_S + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0)

@@ -136,13 +136,16 @@ def open_weight_sender(cfg: Config) -> WeightSender:
                        bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s)
 
 
-def open_weight_receiver(cfg: Config, actor_id: int, device: str = "") -> WeightReceiver:
-    """Actor `actor_id`'s receiver; the evaluator's is id num_actors (`device`: its own)."""
+def open_weight_receiver(cfg: Config, actor_id: int, device: str = "",
+                         restarted: bool = False) -> WeightReceiver:
+    """Actor `actor_id`'s receiver; the evaluator's is id num_actors (`device`: its own).
+    `restarted`: the process continues an earlier one of its actor (a broadcast group is
+    formed again to take it)."""
     if cfg.sync.backend == "shm":
         return make_receiver("shm", run_id=_channel_id(cfg), timeout_s=cfg.sync.timeout_s)
     return make_receiver("broadcast", init_method=_require_init_method(cfg), actor_id=actor_id,
                          n_actors=_n_receivers(cfg), device=device or cfg.engine.device,
-                         timeout_s=cfg.sync.timeout_s)
+                         timeout_s=cfg.sync.timeout_s, may_rejoin=restarted)
 
 
 def _require_init_method(cfg: Config) -> str:

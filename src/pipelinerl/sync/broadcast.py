@@ -9,9 +9,13 @@ writes its backend into the store and a receiver with a different one fails at s
 Store keys (all small strings):
     version     newest announced version ("-1" before the first publish, "closed" at the end)
     manifest    the WeightLayout JSON (names, shapes, dtypes, ties), set at the first publish
-    peer/<r>    rank r's state: "-1" joined; "<v>" waiting at the collective for version v;
-                "closed"; "error: <message>"
-    go/<v>      the sender's verdict for version v: "ok" (broadcast follows) or "abort: <why>"
+    epoch       the group's membership epoch: "0", +1 each time the group is formed again
+    join/<r>    how many processes joined as rank r (a second one must be a restart)
+    rejoins     how many restarted receivers asked for a new group
+    e<k>/peer/<r>  rank r's state in epoch k: "-1" joined; "<v>" waiting at the collective for
+                version v; "closed"; "error: <message>"
+    e<k>/go/<v> the sender's verdict for version v in epoch k: "ok" (broadcast follows),
+                "abort: <why>", or "regroup" (join epoch k + 1, then ask again)
 
 Rendezvous: every rank sets `peer/<r>` and waits (up to `rendezvous_timeout_s`, by default
 `timeout_s`; actors loading a large model may need longer) for all the others', naming the
@@ -34,6 +38,15 @@ actor, so the actors already waiting raise the same reason instead of sitting in
 until it times out. No collective starts before every member is known to be at it; every
 collective still carries `timeout_s` for a peer dying mid-transfer. After a failure the
 channel is broken: rebuilding the group means restarting its processes.
+
+Membership changes (an actor restarted by the launcher): a torch.distributed group cannot take
+a new member, so the group is formed again. The restarted receiver (`may_rejoin`: it continues
+an earlier process of its actor) finds its rank joined before, adds one to `rejoins` and waits
+for a new epoch. The sender checks `rejoins` while it waits for actors at a publish: it bumps
+`epoch`, answers "regroup" to the actors already waiting for the version, and every member
+meets again under the new epoch's keys and builds a new group (its own `pg<k>` store prefix);
+the live actors notice at their next `poll()` or through that verdict. The publish then goes on
+in the new group. A member that dies during a transfer still breaks the channel (above).
 
 Shutdown: the sender's `close()` sets `version = closed` and keeps the store (which lives in
 the trainer's process) up until every live actor has seen it (its `poll()` then answers None
@@ -87,9 +100,11 @@ def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float) -> None:
-    """Wait until every rank in `ranks` has joined; raise naming the missing or failed ones."""
-    keys = [f"peer/{r}" for r in ranks]
+def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float,
+                 epoch: int) -> None:
+    """Wait until every rank in `ranks` has joined epoch `epoch`; raise naming the missing or
+    failed ones."""
+    keys = [f"e{epoch}/peer/{r}" for r in ranks]
     deadline = time.monotonic() + timeout_s
     try:
         while not store.check(keys):
@@ -113,10 +128,11 @@ def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float)
 
 
 def _make_group(store: dist.Store, rank: int, world: int, backend: str,
-                timeout_s: float) -> _Group:
+                timeout_s: float, epoch: int) -> _Group:
     # Built directly rather than through init_process_group so that the trainer's own default
-    # group (DDP/FSDP over trainer ranks) is left alone.
-    prefix = dist.PrefixStore("pg", store)
+    # group (DDP/FSDP over trainer ranks) is left alone. Each epoch's group meets under its own
+    # prefix: the keys of an earlier one would mislead its rendezvous.
+    prefix = dist.PrefixStore(f"pg{epoch}", store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
@@ -171,9 +187,14 @@ class _Channel:
         self.last_transfer_s = 0.0  # last update: time spent moving the weights
         self.store: dist.TCPStore | None = None
         self.group: _Group | None = None
+        self.epoch = 0
         self._layout: WeightLayout | None = None
         self._buckets: tuple[int, _Plan] = (0, [])  # (the bucket size it was planned for, plan)
         self._buffers: list[torch.Tensor] = []
+
+    def _key(self, name: str) -> str:
+        """A key of the current epoch."""
+        return f"e{self.epoch}/{name}"
 
     @contextmanager
     def _collective(self, what: str) -> Iterator[None]:
@@ -245,25 +266,51 @@ class BroadcastWeightSender(_Channel):
         try:
             self.store.set("backend", self.backend)
             self.store.set("version", "-1")
-            self.store.set("peer/0", "-1")  # last: receivers that see it also see the keys above
-            _await_peers(self.store, list(range(1, self.world)), 0, self.rendezvous_timeout_s)
-            self.group = _make_group(self.store, 0, self.world, self.backend, timeout_s)
+            self.store.set("epoch", "0")
+            self._rejoins_seen = 0
+            self._form_group()
         except BaseException:
             self.store = None  # free the port now, not when the traceback is collected
             raise
 
+    def _form_group(self) -> None:
+        assert self.store is not None
+        self.store.set(self._key("peer/0"), "-1")  # last: receivers that see it see the rest
+        _await_peers(self.store, list(range(1, self.world)), 0, self.rendezvous_timeout_s,
+                     self.epoch)
+        self.group = _make_group(self.store, 0, self.world, self.backend, self.timeout_s,
+                                 self.epoch)
+
+    def _regroup(self, version: int) -> None:
+        """A restarted receiver asked to join: form the group again under a new epoch; the
+        actors already waiting for `version` are told to follow."""
+        assert self.store is not None
+        old = self._key(f"go/{version}")
+        self.epoch += 1
+        self.store.set("epoch", str(self.epoch))
+        self.store.set(old, "regroup")
+        self.group = None  # the old group, with the dead member, is dropped
+        self._form_group()
+        logger.warning("weight-sync group formed again (epoch %d): a restarted actor joined",
+                       self.epoch)
+
     def _abort(self, version: int, reason: str) -> None:
         assert self.store is not None
         self._broken = reason
-        self.store.set(f"go/{version}", f"abort: {reason}")
+        self.store.set(self._key(f"go/{version}"), f"abort: {reason}")
         raise RuntimeError(reason)
 
     def _await_actors(self, version: int) -> None:
         assert self.store is not None
-        keys = [f"peer/{r}" for r in range(1, self.world)]
         deadline = time.monotonic() + self.timeout_s
         pause = _POLL_MIN_S
         while True:
+            rejoins = self.store.add("rejoins", 0)
+            if rejoins > self._rejoins_seen:
+                self._rejoins_seen = rejoins
+                self._regroup(version)
+                deadline = time.monotonic() + self.timeout_s
+            keys = [self._key(f"peer/{r}") for r in range(1, self.world)]
             states = [b.decode() for b in self.store.multi_get(keys)]
             for r, s in enumerate(states, start=1):
                 if s == "closed" or s.startswith("error"):
@@ -291,7 +338,7 @@ class BroadcastWeightSender(_Channel):
         t0 = time.perf_counter()
         self.store.set("version", str(version))
         self._await_actors(version)
-        self.store.set(f"go/{version}", "ok")
+        self.store.set(self._key(f"go/{version}"), "ok")
         t1 = time.perf_counter()
         self.last_wait_s = t1 - t0
         try:
@@ -303,7 +350,7 @@ class BroadcastWeightSender(_Channel):
         logger.info("broadcast weights version %d: waited %.1f ms for actors, sent in %.1f ms",
                     version, 1e3 * self.last_wait_s, 1e3 * self.last_transfer_s)
         if self._version is not None:
-            self.store.delete_key(f"go/{self._version}")
+            self.store.delete_key(self._key(f"go/{self._version}"))
         self._version = version
 
     def _send(self, sources: Iterator[torch.Tensor], version: int) -> None:
@@ -344,7 +391,7 @@ class BroadcastWeightSender(_Channel):
             return
         self.store.set("version", "closed")
         if self._broken is None:
-            keys = [f"peer/{r}" for r in range(1, self.world)]
+            keys = [self._key(f"peer/{r}") for r in range(1, self.world)]
             deadline = time.monotonic() + min(self.timeout_s, _CLOSE_WAIT_S)
             while time.monotonic() < deadline:
                 # Actors that failed or are gone will not answer; only live ones are waited for.
@@ -366,7 +413,9 @@ class BroadcastWeightReceiver(_Channel):
 
     def __init__(self, init_method: str, actor_id: int, n_actors: int,
                  device: torch.device | str = "cpu", timeout_s: float = 120.0,
-                 rendezvous_timeout_s: float | None = None):
+                 rendezvous_timeout_s: float | None = None, may_rejoin: bool = False):
+        """`may_rejoin`: this process continues an earlier one of its actor (a restart), so
+        its rank may have joined before; it then asks the trainer to form the group again."""
         if not 0 <= actor_id < n_actors:
             raise ValueError(f"actor_id must be in [0, {n_actors}), got {actor_id}")
         super().__init__(init_method, actor_id + 1, 1 + n_actors, device, timeout_s,
@@ -383,30 +432,60 @@ class BroadcastWeightReceiver(_Channel):
                 f"{self.rendezvous_timeout_s} s "
                 f"(is the trainer up?): {e}"
             ) from e
-        if self.store.add(f"join/{self.rank}", 1) > 1:
-            raise RuntimeError(f"{me}: another process already joined with this actor id")
-        _await_peers(self.store, [0], self.rank, self.rendezvous_timeout_s)
+        restart = self.store.add(f"join/{self.rank}", 1) > 1
+        if restart and not may_rejoin:
+            raise RuntimeError(f"{me}: another process already joined with this actor id (two "
+                               "actors given one id, or a restart of an actor that had written "
+                               "no group or heartbeat, so it does not know it continues one)")
+        self.store.wait(["epoch"], wait)
+        self.epoch = int(self.store.get("epoch"))
+        if restart:
+            self.store.add("rejoins", 1)
+            self.epoch = self._await_new_epoch(self.epoch)
+        _await_peers(self.store, [0], self.rank, self.rendezvous_timeout_s, self.epoch)
         sender_backend = self.store.get("backend").decode()
         if sender_backend != self.backend:
             reason = (f"device {self.device} needs {self.backend} but the trainer broadcasts "
                       f"with {sender_backend}")
             self._report(f"error: {reason}")
             raise ValueError(f"{me}: {reason}")
+        self._join(self.epoch)
+
+    def _await_new_epoch(self, seen: int) -> int:
+        """The trainer forms the group again at its next publish: wait for that epoch."""
+        assert self.store is not None
+        deadline = time.monotonic() + self.rendezvous_timeout_s
+        while (epoch := int(self.store.get("epoch"))) <= seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{_describe(self.rank)}: the trainer did not form the "
+                                   f"weight-sync group again within {self.rendezvous_timeout_s}"
+                                   " s of this restarted actor's request")
+            time.sleep(0.05)
+        return epoch
+
+    def _join(self, epoch: int) -> None:
+        """Meet every member under `epoch`'s keys and build that epoch's group."""
+        assert self.store is not None
+        self.epoch = epoch
+        self.group = None
         self._report("-1")
-        others = [r for r in range(1, self.world) if r != self.rank]
-        _await_peers(self.store, others, self.rank, self.rendezvous_timeout_s)
-        self.group = _make_group(self.store, self.rank, self.world, self.backend, timeout_s)
+        others = [r for r in range(self.world) if r != self.rank]
+        _await_peers(self.store, others, self.rank, self.rendezvous_timeout_s, epoch)
+        self.group = _make_group(self.store, self.rank, self.world, self.backend,
+                                 self.timeout_s, epoch)
 
     def _report(self, state: str) -> None:
         assert self.store is not None
-        self.store.set(f"peer/{self.rank}", state)
+        self.store.set(self._key(f"peer/{self.rank}"), state)
 
     def _announced(self) -> int | None:
         if self.closed:
             return None  # the store may be gone by now: do not ask it
         assert self.store is not None
         try:
-            value = self.store.get("version").decode()
+            value, epoch = (b.decode() for b in self.store.multi_get(["version", "epoch"]))
+            if int(epoch) > self.epoch:  # a restarted actor joined: meet it in the new group
+                self._join(int(epoch))
             if value == "closed":
                 self.closed = True
                 self._report("closed")  # lets the trainer's close() return
@@ -441,13 +520,8 @@ class BroadcastWeightReceiver(_Channel):
             self._report(f"error: {e}")
             raise
         t0 = time.perf_counter()
-        self._report(str(version))
-        try:
-            self.store.wait([f"go/{version}"], self.timeout)
-        except dist.DistError as e:
-            raise TimeoutError(f"{me}: the trainer (rank 0) did not start the broadcast of "
-                               f"version {version} within {self.timeout_s} s") from e
-        verdict = self.store.get(f"go/{version}").decode()
+        while (verdict := self._await_go(version)) == "regroup":
+            self._join(int(self.store.get("epoch")))
         if verdict != "ok":
             raise RuntimeError(f"{me}: trainer aborted version {version}: {verdict}")
         header = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -463,6 +537,18 @@ class BroadcastWeightReceiver(_Channel):
         self._finish_timing(t0)
         self.last_version = version
         return version
+
+    def _await_go(self, version: int) -> str:
+        """Say this rank is ready for `version`; the sender's verdict."""
+        assert self.store is not None
+        self._report(str(version))
+        go = self._key(f"go/{version}")
+        try:
+            self.store.wait([go], self.timeout)
+        except dist.DistError as e:
+            raise TimeoutError(f"{_describe(self.rank)}: the trainer (rank 0) did not start the "
+                               f"broadcast of version {version} within {self.timeout_s} s") from e
+        return self.store.get(go).decode()
 
     def _receive_per_parameter(self, dests: list[list[torch.Tensor]]) -> None:
         assert self._layout is not None
