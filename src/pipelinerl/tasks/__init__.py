@@ -19,6 +19,7 @@ from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.math import MathTask
 from pipelinerl.tasks.numbers import NumbersTask
+from pipelinerl.tasks.reasoning import ReasoningGymTask
 from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
 TASKS: dict[str, type] = {
@@ -28,6 +29,7 @@ TASKS: dict[str, type] = {
     "dataset": DatasetTask,
     "math": MathTask,
     "numbers": NumbersTask,
+    "reasoning_gym": ReasoningGymTask,
 }
 
 
@@ -136,6 +138,7 @@ __all__ = [
     "DemonstrationTask",
     "MathTask",
     "NumbersTask",
+    "ReasoningGymTask",
     "Problem",
     "Score",
     "Task",
