@@ -193,3 +193,83 @@ def test_sigint_at_random_moments_always_stops_the_run_cleanly(tmp_path: Path) -
         leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "runs" / name)],
                                   capture_output=True, text=True)
         assert leftover.stdout.strip() == "", f"trial {trial}: left {leftover.stdout}"
+
+
+# Installed into every process of the run through PYTHONPATH: trainer rank FAKE_FAIL_RANK
+# raises in its second micro-batch's loss, between the DDP forward and the backward, while the
+# other rank waits in the backward's all-reduce for it. With FAKE_TEARDOWN_S, the failing frame
+# also holds an object whose teardown blocks that long: what a traceback keeps alive past
+# `destroy_process_group` (the DDP model, its process group) is torn down only as the process
+# exits, and such a teardown may wait for the other ranks (an NCCL communicator, a collective in
+# flight; gloo's, here, returns at once); it must not keep the failed rank from exiting.
+_FAIL_MID_STEP = """
+import os
+
+if os.environ.get("RANK") == os.environ.get("FAKE_FAIL_RANK"):
+    import time
+    import pipelinerl.rl.step as step
+
+    class _BlockingTeardown:
+        def __del__(self):
+            time.sleep(float(os.environ["FAKE_TEARDOWN_S"]))
+
+    _loss, _calls = step._policy_loss, []
+
+    def _failing_loss(*args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == 2:
+            held = _BlockingTeardown() if os.environ.get("FAKE_TEARDOWN_S") else None
+            raise RuntimeError("injected failure in the middle of a training step")
+        return _loss(*args, **kwargs)
+
+    step._policy_loss = _failing_loss
+"""
+
+
+@pytest.mark.parametrize("teardown_s", [None, 600], ids=["error", "error-blocking-teardown"])
+def test_a_trainer_rank_failing_mid_step_ends_the_run_with_its_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, teardown_s: int | None) -> None:
+    """2 DDP ranks; rank 1 raises mid-step. The run ends soon after with exit code 1, the
+    launcher shows rank 1's error (rank 0 only sees its peer gone: on main the launcher showed
+    rank 0's 'Connection closed by peer' alone), and no process is left. A failed rank leaves
+    once its error is written, whatever its traceback keeps alive (on main, a teardown that
+    blocks held the rank, and the other rank in its all-reduce, for the collective timeout)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_FAIL_MID_STEP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("FAKE_FAIL_RANK", "1")
+    if teardown_s is not None:
+        monkeypatch.setenv("FAKE_TEARDOWN_S", str(teardown_s))
+    run_dir = tmp_path / "runs" / "rank-fails"
+    proc = _train(_args(tmp_path, "rank-fails", "trainer.max_steps=5", "trainer.num_procs=2"))
+    error_file = run_dir / "logs" / "trainer_rank1.error"
+    try:
+        deadline = time.monotonic() + 300
+        while not error_file.exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "rank 1 did not fail within 300 s"
+            time.sleep(0.2)
+        failed_at = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run did not end within 90 s of rank 1's failure") from None
+        ended_s = time.monotonic() - failed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # A hung rank (its own session, under torchrun's): killed, after being named below.
+        left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True,
+                              text=True).stdout.split()
+        for pid in left:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not left, f"processes left running: {left}"
+    assert proc.returncode == 1, err
+    # The launcher's report (the ranks' own output, torchrun's, comes before it).
+    report = err.partition("trainer failed with exit code 1:")[2]
+    assert "injected failure in the middle of a training step" in report, err[-3000:]
+    print(f"the run ended {ended_s:.1f} s after rank 1's failure")

@@ -74,8 +74,24 @@ def _run_role(role: str, cfg: Config, signals: StopSignals, fn, *args) -> int:
         return 130
     except Exception:
         error_file.write_text(traceback.format_exc())
+        if role.startswith("trainer") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _leave_now(1)
         raise
     return 0
+
+
+def _leave_now(code: int) -> None:
+    """A trainer rank of several, its error written, exits without the interpreter's teardown.
+    Its traceback keeps what the failed step's frames held (the DDP model, and through it the
+    process group: `destroy_process_group` frees no group still referenced) until that
+    teardown; one that waits for the other ranks (an NCCL communicator, a collective in
+    flight) would hold this rank, and the others waiting for it in a collective, for the
+    collective timeout (30 min), unseen by torchrun, which stops the others once one exited."""
+    traceback.print_exc()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,11 +199,23 @@ def _die_with_parent() -> None:
 
 
 def _failure_report(rp: RoleProcess, run_dir: Path) -> str:
-    """The role's traceback, else its last log lines, else what ended it: never empty."""
-    error_file = run_dir / "logs" / ERROR_FILE.format(role=rp.role)
+    """The role's traceback, else its last log lines, else what ended it: never empty. The
+    trainer's ranks each write their own (trainer.error, trainer_rank<N>.error): the first
+    written is the cause, shown whole (a rank whose peer died fails after it, in a collective:
+    'Connection closed by peer'); the others' last lines follow."""
+    logs = run_dir / "logs"
+    errors = [logs / ERROR_FILE.format(role=rp.role)]
+    if rp.role == "trainer":
+        errors += logs.glob(ERROR_FILE.format(role="trainer_rank*"))
+    errors = sorted((f for f in errors if f.exists()), key=lambda f: f.stat().st_mtime_ns)
     text = ""
-    if error_file.exists():
-        text = error_file.read_text().strip()
+    if errors:
+        text = errors[0].read_text().strip()
+        if len(errors) > 1:
+            text = f"{errors[0].stem} failed first:\n{text}"
+        for later in errors[1:]:
+            last = (later.read_text().strip().splitlines() or ["(empty)"])[-1]
+            text += f"\nthen {later.stem}: {last}"
     elif rp.log_path is not None and rp.log_path.exists():
         text = "\n".join(rp.log_path.read_text(errors="replace").splitlines()[-30:])
     code = rp.proc.returncode
