@@ -13,7 +13,7 @@ import random
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.engine.base import Engine
@@ -33,6 +33,9 @@ from pipelinerl.types import (
     Sample,
     SamplingParams,
 )
+
+if TYPE_CHECKING:  # aiohttp is imported only by an actor that serves
+    from pipelinerl.endpoint import GenerateEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +147,7 @@ class Actor:
         encode_text: Callable[[str], list[int]] | None = None,
         env_timeout_s: float = 10.0,
         env_workers: int = 2,
+        endpoint: GenerateEndpoint | None = None,
     ) -> None:
         """`ledger`: the run's admission ledger (None: this actor alone, in memory).
         `returned`: how many published groups the trainer dropped, over every actor (the
@@ -151,7 +155,8 @@ class Actor:
         actor wrote (its stream's last): this one continues its count and waits for the
         trainer's current weights before starting anything. With an environment (a task with
         `respond`, pipelinerl.tasks.environment) rollouts are multi-turn: `encode_text` tokenises its turn
-        stops and replies, which it computes in `env_workers` processes under `env_timeout_s`."""
+        stops and replies, which it computes in `env_workers` processes under `env_timeout_s`.
+        `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.endpoint)."""
         self.engine = engine
         self.task = task
         self.encode = encode
@@ -173,6 +178,7 @@ class Actor:
             self.rollouts = Rollouts(task, engine, encode_text, decode, sampling, env_timeout_s,
                                      env_workers)
         self.drop_zero_variance = drop_zero_variance
+        self.endpoint = endpoint
         # How the trainer's advantages read rewards (trainer.loss.truncated), so that a group
         # is called zero-variance exactly when its advantages will all be 0.
         self.truncated, self.truncated_reward = truncated, truncated_reward
@@ -214,6 +220,7 @@ class Actor:
                 if self.rollouts is not None:
                     for transcript in self.rollouts.poll():
                         self.on_rollout_end(transcript)
+                self.serve()
                 self.fill()
                 self.maybe_heartbeat()
                 if self.in_flight == 0:
@@ -234,6 +241,8 @@ class Actor:
             self.scorer.close()
             if self.rollouts is not None:
                 self.rollouts.close()
+            if self.endpoint is not None:
+                self.endpoint.close()
             self._log_skips()
 
     def snapshot(self) -> dict[str, float]:
@@ -298,6 +307,15 @@ class Actor:
         self._refused = (limit, returned, time.monotonic())
         return False
 
+    def serve(self) -> None:
+        """Add the endpoint's waiting requests to the engine, ahead of new groups (their
+        tokens are not trained: no admission place)."""
+        if self.endpoint is None or self.needs_weights:
+            return
+        for request in self.endpoint.take(self.engine.capacity - self.in_flight):
+            self.engine.add_request(request)
+            self.in_flight += 1
+
     def fill(self) -> None:
         if self.needs_weights:
             return
@@ -360,7 +378,9 @@ class Actor:
     def on_finished(self, out: GenerationOutput) -> None:
         """A sequence finished, or, in a multi-turn rollout, a turn."""
         self.stats.generated_tokens += len(out.token_ids)
-        if self.rollouts is None:
+        if self.endpoint is not None and self.endpoint.finish(out):
+            self.in_flight -= 1
+        elif self.rollouts is None:
             self.on_rollout_end(out)
         elif (transcript := self.rollouts.on_turn(out)) is not None:
             self.on_rollout_end(transcript)
@@ -414,6 +434,24 @@ class Actor:
         )
         self.writer.write(group.to_dict())
         self._last_write = time.monotonic()
+
+
+def open_endpoint(cfg: Any, actor_id: int, vocab_size: int) -> GenerateEndpoint | None:
+    """The actor's generate endpoint (actor.endpoint_port; actor i on port + i), its URL
+    written to <run_dir>/endpoints/actor_<i> for clients to find; None when not asked for."""
+    if cfg.actor.endpoint_port is None:
+        return None
+    from pipelinerl.endpoint import GenerateEndpoint
+
+    port = cfg.actor.endpoint_port + actor_id if cfg.actor.endpoint_port else 0
+    endpoint = GenerateEndpoint(model=cfg.model.path, max_model_len=cfg.engine.max_seq_len,
+                                vocab_size=vocab_size, default_max_tokens=cfg.engine.max_new_tokens,
+                                port=port)
+    where = cfg.run_dir / "endpoints" / f"actor_{actor_id}"
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text(endpoint.url + "\n")
+    log.info("actor %d serves its engine's generate endpoint at %s", actor_id, endpoint.url)
+    return endpoint
 
 
 def next_generation(predecessor: dict[str, Any] | None) -> int:
@@ -536,6 +574,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
         env_timeout_s=cfg.actor.env_timeout_s,
         env_workers=cfg.actor.env_workers,
+        endpoint=open_endpoint(cfg, actor_id, len(tokenizer)),
     )
     try:
         actor.run()

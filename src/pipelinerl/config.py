@@ -98,8 +98,12 @@ class ActorConfig(_Section):
     drop_zero_variance: bool = False
     seed: int = 0
     # A dead actor process is started again this many times (backoff 1, 2, 4... s); the new
-    # one continues its count and takes the newest weights (docs/reliability.md). shm only.
+    # one continues its count and takes the newest weights (docs/reliability.md).
     max_restarts: int = Field(default=3, ge=0)
+    # Serve the actor's engine over HTTP on 127.0.0.1 (POST /inference/v1/generate, the route
+    # verifiers' TrainClient calls; docs/environments.md): actor i on this port + i; 0 picks
+    # free ports; None serves nothing. The URL goes to <run_dir>/endpoints/actor_<i>.
+    endpoint_port: int | None = Field(default=None, ge=0, le=65535)
 
 
 class LossConfig(_Section):

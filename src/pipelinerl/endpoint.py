@@ -1,0 +1,224 @@
+"""A token-level generate endpoint on the actor's running engine.
+
+The route environment libraries call to sample from a trainer's policy (verifiers'
+`TrainClient`, docs/environments.md): prompts arrive as token ids, completions leave as token
+ids with each token's log-prob, and here also each token's policy version.
+
+    GET  /v1/models              {"object": "list", "data": [{"id": MODEL, "max_model_len": N}]}
+    POST /inference/v1/generate  {"model", "token_ids": [int], "sampling_params": {...}}
+         -> {"request_id", "model", "choices": [{"index": 0, "token_ids", "finish_reason",
+             "logprobs": {"content": [{"token": "token_id:<id>", "logprob"}]},
+             "versions": [int]}]}
+
+`sampling_params` are vLLM's names (`temperature`, `top_p`, `top_k`, `max_tokens`,
+`stop_token_ids`, `n`); others (`logprobs`, `skip_special_tokens`, `seed`, ...) are accepted and
+ignored: log-probs are always returned, tokens are ids, and the engine has one sampler seed.
+
+The server (aiohttp) runs on its own thread and event loop; the actor's loop, which owns the
+engine, takes requests from a bounded queue between two decode steps (`take`) and hands back
+finished ones (`finish`). A request thus joins the engine's continuous batching like the
+actor's own, and a weight update lands between two of its tokens, stamped in `versions`. A
+malformed request gets a 400, a full queue a 503, a stopping actor a 503: never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+REQUEST_PREFIX = "ep-"  # request ids of the endpoint's requests in the engine
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1, description="vLLM's -1 (or 0): off")
+    max_tokens: int | None = Field(default=None, gt=0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    n: int = Field(default=1, ge=1, le=1, description="one completion per request")
+
+
+class _Generate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: _Sampling = Field(default_factory=_Sampling)
+
+
+@dataclass
+class _Waiting:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class GenerateEndpoint:
+    """Serves `model` on http://host:port (port 0: a free one, then in `.port`)."""
+
+    def __init__(self, *, model: str, max_model_len: int, vocab_size: int,
+                 default_max_tokens: int, host: str = "127.0.0.1", port: int = 0,
+                 max_pending: int = 256) -> None:
+        self.model, self.max_model_len, self.vocab_size = model, max_model_len, vocab_size
+        self.default_max_tokens = default_max_tokens
+        self.host = host
+        self._queue: queue.Queue[tuple[GenerationRequest, _Waiting]] = queue.Queue(max_pending)
+        self._waiting: dict[str, _Waiting] = {}  # in the engine, by request id
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, args=(port,), daemon=True,
+                                        name="generate-endpoint")
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise RuntimeError(f"generate endpoint: cannot serve on {host}:{port}: "
+                               f"{self._error}") from self._error
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- the actor's side (its loop's thread) -------------------------------------------------
+    def take(self, limit: int) -> list[GenerationRequest]:
+        """Up to `limit` queued requests, to add to the engine now."""
+        taken = []
+        while len(taken) < limit:
+            try:
+                request, waiting = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                self._waiting[request.request_id] = waiting
+            taken.append(request)
+        return taken
+
+    def finish(self, out: GenerationOutput) -> bool:
+        """Answer the request `out` finishes; False if it is not the endpoint's."""
+        with self._lock:
+            waiting = self._waiting.pop(out.request_id, None)
+        if waiting is None:
+            return False
+        waiting.loop.call_soon_threadsafe(_resolve, waiting.future, self._response(out))
+        return True
+
+    def close(self) -> None:
+        """Stop serving; requests not finished get a 503."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._waiting.values())
+            self._waiting.clear()
+        while True:
+            try:
+                pending.append(self._queue.get_nowait()[1])
+            except queue.Empty:
+                break
+        for waiting in pending:
+            waiting.loop.call_soon_threadsafe(_resolve, waiting.future, None)
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    # -- the server's side (its own thread) ---------------------------------------------------
+    def _serve(self, port: int) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        self._runner = web.AppRunner(app, access_log=None)
+        try:
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, port)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as e:  # noqa: BLE001 - reported by the constructor
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
+
+    async def _generate(self, http: web.Request) -> web.Response:
+        try:
+            body = _Generate.model_validate(json.loads(await http.read()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"the body is not JSON: {e}")
+        except ValidationError as e:
+            return _error(400, f"bad request: {e.errors(include_url=False)}")
+        problem = self._check(body)
+        if problem:
+            return _error(400, problem)
+        p = body.sampling_params
+        request = GenerationRequest(
+            f"{REQUEST_PREFIX}{next(self._ids)}", list(body.token_ids),
+            SamplingParams(max_new_tokens=p.max_tokens or min(
+                               self.default_max_tokens, self.max_model_len - len(body.token_ids)),
+                           temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k),
+                           stop_token_ids=tuple(p.stop_token_ids)))
+        waiting = _Waiting(asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+        with self._lock:
+            if self._closed:
+                return _error(503, "the actor is stopping")
+            try:
+                self._queue.put_nowait((request, waiting))
+            except queue.Full:
+                return _error(503, f"{self._queue.maxsize} requests are waiting already")
+        response = await waiting.future
+        if response is None:
+            return _error(503, "the actor stopped before the request finished")
+        return web.json_response(response)
+
+    def _check(self, body: _Generate) -> str:
+        if body.model and body.model != self.model:
+            return f"model {body.model!r} is not served here (this is {self.model!r})"
+        bad = [t for t in body.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+        stops = [t for t in body.sampling_params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if stops:
+            return f"stop_token_ids outside the vocabulary: {stops[:5]}"
+        room = self.max_model_len - len(body.token_ids)
+        wanted = body.sampling_params.max_tokens or 1
+        if wanted > room:
+            return (f"prompt of {len(body.token_ids)} tokens + max_tokens {wanted} exceeds "
+                    f"max_model_len {self.max_model_len}")
+        return ""
+
+    def _response(self, out: GenerationOutput) -> dict[str, Any]:
+        return {"request_id": out.request_id, "model": self.model, "choices": [{
+            "index": 0, "token_ids": out.token_ids,
+            "finish_reason": "stop" if out.finish_reason == "stop" else "length",
+            "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                     for t, lp in zip(out.token_ids, out.logprobs)]},
+            "versions": out.versions}]}
+
+
+def _resolve(future: asyncio.Future, value: dict[str, Any] | None) -> None:
+    if not future.done():  # the client may have gone (its handler cancelled)
+        future.set_result(value)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)

@@ -1,0 +1,203 @@
+"""The actor's token-level generate endpoint: verifiers' request and response shapes, exact
+log-probs and per-token versions, requests joining the actor's batch, bad requests refused."""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pytest
+import requests
+import torch
+from fake_tasks import FakeTask
+from test_actor import ListWriter, make_actor, stop_after
+from test_torch_engine import hf_logits
+from tiny_models import VOCAB, tiny_hf_model
+
+from pipelinerl.actor import Schedule
+from pipelinerl.endpoint import GenerateEndpoint
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.types import GenerationOutput
+
+MAX_LEN = 40
+
+
+def _endpoint(**kwargs: Any) -> GenerateEndpoint:
+    return GenerateEndpoint(model="tiny", max_model_len=MAX_LEN, vocab_size=VOCAB,
+                            default_max_tokens=8, **kwargs)
+
+
+def _generate(url: str, token_ids: list[int], timeout: float = 60, model: str = "tiny",
+              **sampling: Any) -> requests.Response:
+    return requests.post(f"{url}/inference/v1/generate", timeout=timeout,
+                         json={"model": model, "token_ids": token_ids,
+                               "sampling_params": {"logprobs": 1, "skip_special_tokens": False,
+                                                   **sampling}})
+
+
+class _Driver:
+    """The actor loop's part for the endpoint, alone: take, add, step, finish; `between` runs
+    between two steps (a weight update)."""
+
+    def __init__(self, engine: TorchEngine, endpoint: GenerateEndpoint) -> None:
+        self.engine, self.endpoint = engine, endpoint
+        self.steps = 0
+        self.between: dict[int, Any] = {}
+        self.outputs: list[GenerationOutput] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for request in self.endpoint.take(self.engine.capacity - self.engine.num_active()):
+                self.engine.add_request(request)
+            if not self.engine.num_active():
+                self._stop.wait(0.002)
+                continue
+            if self.steps in self.between:
+                self.between.pop(self.steps)()
+            self.steps += 1
+            for out in self.engine.step():
+                self.outputs.append(out)
+                assert self.endpoint.finish(out)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[torch.nn.Module, TorchEngine, GenerateEndpoint, _Driver]]:
+    torch.manual_seed(0)
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, capacity=4, max_seq_len=MAX_LEN, seed=1)
+    engine.load_weights(hf.state_dict(), version=0)
+    endpoint = _endpoint()
+    driver = _Driver(engine, endpoint)
+    yield hf, engine, endpoint, driver
+    driver.stop()
+    endpoint.close()
+
+
+def test_models_and_generate_speak_the_shapes_verifiers_checks(served) -> None:
+    hf, _, endpoint, driver = served
+    models = requests.get(f"{endpoint.url}/v1/models", timeout=10).json()
+    assert models["data"] == [{"id": "tiny", "object": "model", "max_model_len": MAX_LEN}]
+    prompts = [[1 + (i * 7 + j) % (VOCAB - 1) for j in range(3 + i)] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:  # more requests than the engine has slots
+        answers = list(pool.map(lambda p: _generate(endpoint.url, p, max_tokens=12), prompts))
+    for prompt, answer in zip(prompts, answers):
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        (choice,) = body["choices"]
+        assert body["request_id"] and choice["finish_reason"] in ("stop", "length")
+        ids = choice["token_ids"]
+        assert 0 < len(ids) <= 12 and choice["versions"] == [0] * len(ids)
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [f"token_id:{t}" for t in ids]
+        got = torch.tensor([c["logprob"] for c in content])
+        assert all(math.isfinite(x) and x != -9999.0 for x in got.tolist())
+        # Exact: the log-prob of each token under the model, teacher-forced.
+        out = GenerationOutput("x", prompt, ids, got.tolist(), [0] * len(ids), "length")
+        want = hf_logits(hf, out).log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_weight_update_lands_between_two_tokens_of_a_request(served) -> None:
+    hf, engine, endpoint, driver = served
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.state_dict().items()}
+    driver.between[4] = lambda: engine.load_weights(new, version=1)
+    choice = _generate(endpoint.url, [3, 4, 5], max_tokens=10, temperature=0).json()["choices"][0]
+    versions = choice["versions"]
+    first_new = versions.index(1)  # tokens before the update are version 0, those after 1
+    assert len(versions) == 10 and 0 < first_new < 10
+    assert versions == [0] * first_new + [1] * (10 - first_new)
+
+
+@pytest.mark.parametrize("body,message", [
+    ("not json", "not JSON"),
+    ({"model": "tiny"}, "token_ids"),
+    ({"model": "tiny", "token_ids": []}, "token_ids"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"n": 2}}, "'n'"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"model": "tiny", "token_ids": [1, VOCAB]}, "outside the vocabulary"),
+    ({"model": "tiny", "token_ids": [1] * 30, "sampling_params": {"max_tokens": 11}},
+     "exceeds max_model_len 40"),
+    ({"model": "other", "token_ids": [1]}, "not served here"),
+])
+def test_a_bad_request_gets_a_400_naming_what_is_wrong(served, body: Any, message: str) -> None:
+    _, _, endpoint, driver = served
+    url = f"{endpoint.url}/inference/v1/generate"
+    answer = (requests.post(url, data=body, timeout=10) if isinstance(body, str)
+              else requests.post(url, json=body, timeout=10))
+    assert answer.status_code == 400 and message in answer.json()["error"]["message"]
+    assert _generate(endpoint.url, [1, 2], max_tokens=2).status_code == 200  # still serving
+
+
+def test_a_full_queue_answers_503_and_a_closing_actor_answers_the_waiting() -> None:
+    endpoint = _endpoint(max_pending=1)  # no driver: nothing is taken
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_generate, endpoint.url, [1, 2])
+        while endpoint._queue.qsize() < 1:
+            pass
+        assert _generate(endpoint.url, [1, 2]).status_code == 503
+        endpoint.close()
+        assert first.result().status_code == 503
+
+
+def test_endpoint_requests_join_the_actors_batch_while_it_trains_groups() -> None:
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, capacity=8, max_seq_len=MAX_LEN, seed=1)
+    engine.load_weights(hf.state_dict(), version=0)
+    endpoint = _endpoint()
+    writer = ListWriter()
+    done = threading.Event()
+    actor = make_actor(engine, FakeTask(), Schedule(batch_size=8, group_size=4, max_lag=100),
+                       writer=writer, endpoint=endpoint, should_stop=stop_after(60, done.is_set))
+    thread = threading.Thread(target=actor.run)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: _generate(endpoint.url, [1 + i, 2], max_tokens=6),
+                                    range(6)))
+        assert [a.status_code for a in answers] == [200] * 6
+        assert all(len(a.json()["choices"][0]["token_ids"]) <= 6 for a in answers)
+        while not [r for r in writer.records if "samples" in r]:  # groups published meanwhile
+            assert thread.is_alive()
+            threading.Event().wait(0.05)
+    finally:
+        done.set()
+        thread.join(30)
+    assert actor.in_flight >= 0 and not endpoint._waiting
+
+
+@pytest.mark.slow
+def test_a_training_run_serves_its_actors_engine(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelinerl.cli", "train", str(example), "name=served",
+         f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={tmp_path / 'cache'}",
+         "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16", "actor.group_size=4",
+         "trainer.batch_size=16", "trainer.max_steps=40", "actor.endpoint_port=0",
+         "metrics.progress=false", "metrics.plot=false"],
+        stderr=subprocess.PIPE, text=True)
+    where = tmp_path / "runs" / "served" / "endpoints" / "actor_0"
+    deadline = time.monotonic() + 240
+    while not where.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no endpoint came up"
+        time.sleep(0.2)
+    url = where.read_text().strip()
+    (model,) = [m["id"] for m in requests.get(f"{url}/v1/models", timeout=10).json()["data"]]
+    answer = _generate(url, [5, 6, 7], model=model, max_tokens=5)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"][0]["versions"]) == len(answer.json()["choices"][0]["token_ids"])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
