@@ -46,10 +46,11 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
         ("scoring.py", "scoring", "| verifier | verifier processes"),
         # SmolLM2, prepared into the user cache (tests/test_real_model.py does it too).
         ("real_model.py", "real_model", "| max new tokens | dtype | torch engine tok/s"),
+        ("endpoint.py", "endpoint", "| repeat | in-process tok/s | endpoint tok/s"),
     ],
 )
 def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str) -> None:
-    if script == "real_model.py":
+    if script in ("real_model.py", "endpoint.py"):
         from pipelinerl.models.sources import prepare
 
         prepare("smollm2")
