@@ -97,8 +97,8 @@ class ActorConfig(_Section):
     # as skipped_zero_variance) and start a replacement, so the trainer's batches stay full.
     drop_zero_variance: bool = False
     seed: int = 0
-    # A dead actor process is started again this many times (backoff 1, 2, 4... s); the new
-    # one continues its count and takes the newest weights (docs/reliability.md).
+    # A dead actor (or evaluator) process is started again this many times (backoff 1, 2, 4...
+    # s); a new actor continues its count and takes the newest weights (docs/reliability.md).
     max_restarts: int = Field(default=3, ge=0)
     # Serve the actor's engine over HTTP on 127.0.0.1 (POST /inference/v1/generate, the route
     # verifiers' TrainClient calls; docs/environments.md): actor i on this port + i; 0 picks

@@ -330,7 +330,10 @@ def run_evaluator(cfg: Config) -> None:
     # in host memory that every received version would cross.
     staging_model = load_model(cfg.model.path, dtype=_DTYPES[cfg.engine.dtype],
                                device=eval_device(cfg))
-    staging = _Staging(open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg)),
+    # restarted: the launcher may start the evaluator again after it died, and a broadcast
+    # group then forms again to take it (only the launcher starts an evaluator: no duplicate).
+    staging = _Staging(open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg),
+                                            restarted=True),
                        staging_model.state_dict(), follow=cfg.sync.backend == "broadcast")
     writer = open_eval_writer(cfg)
     control = Control(open_control_reader(cfg), cfg.attempt)
@@ -350,12 +353,13 @@ def run_evaluator(cfg: Config) -> None:
         writer.write({"version": version, "final": final, "attempt": cfg.attempt, **metrics})
 
     try:
-        if cfg.attempt == 0:
+        logged = logged_versions(cfg.run_dir / METRICS)
+        if cfg.attempt == 0 and not logged:
             run_pass(final=False)  # version 0: the starting policy, before any update
         else:
-            # A resumed run: the checkpoint's version comes first. The trainer logs no other
-            # attempt's results, so it is evaluated unless metrics.jsonl holds its result
-            # already (the trainer cut the file back to the checkpoint before publishing it).
+            # A resumed run, or an evaluator restarted after it died: the newest weights come
+            # first. They are evaluated unless metrics.jsonl holds their result already (a
+            # resumed trainer cut the file back to its checkpoint before publishing them).
             _await_version(staging, 0, cfg.sync.timeout_s)
             if staging.version in logged_versions(cfg.run_dir / METRICS):
                 due.done(staging.version)

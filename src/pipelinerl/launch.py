@@ -351,7 +351,8 @@ def _run(cfg: Config, signals: StopSignals, resume_command: str = "") -> tuple[i
             _, args, threads, to_log = specs[role]
             return _spawn(role, args, cfg, threads, to_log, append=True)
 
-        # Only an actor is restarted (a broadcast channel forms its group again to take it).
+        # Actors and the evaluator are restarted (a broadcast channel forms its group again to
+        # take the new process); the trainer's death ends this attempt.
         restarts = cfg.actor.max_restarts
         # After the stop record the actors leave while the trainer may still wait for the
         # evaluation of its final weights.
@@ -399,14 +400,16 @@ def _role_specs(cfg: Config, config_path: str) -> list[tuple[str, list[str], int
 
 @dataclass
 class Restarts:
-    """Restarts dead actors, each up to `limit` times, with a doubling backoff."""
+    """Restarts dead actors and a dead evaluator, each up to `limit` times, with a doubling
+    backoff: neither holds state the run cannot rebuild (docs/reliability.md)."""
 
     limit: int
     respawn: Callable[[str], RoleProcess]
     done: Counter = field(default_factory=Counter)
 
     def try_restart(self, dead: RoleProcess, run_dir: Path, signals: StopSignals) -> RoleProcess | None:
-        if not dead.role.startswith("actor") or self.done[dead.role] >= self.limit:
+        restartable = dead.role.startswith("actor") or dead.role == "evaluator"
+        if not restartable or self.done[dead.role] >= self.limit:
             return None
         if dead.log_file is not None:
             dead.log_file.close()
