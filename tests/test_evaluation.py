@@ -229,7 +229,7 @@ def test_a_resumed_evaluator_evaluates_the_checkpoints_version_unless_it_was_log
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(evaluation, "build_eval_setup", lambda cfg, path: (setup, _Engine()))
     monkeypatch.setattr(hf, "load_model", lambda *a, **kw: torch.nn.Linear(1, 1))
-    monkeypatch.setattr(roles, "open_weight_receiver", lambda *a: _Receiver(4))
+    monkeypatch.setattr(roles, "open_weight_receiver", lambda *a, **kw: _Receiver(4))
     monkeypatch.setattr(roles, "open_eval_writer", lambda cfg: results)
     monkeypatch.setattr(roles, "open_control_reader", lambda cfg: _Records([stop]))
     evaluation.run_evaluator(cfg)
