@@ -159,6 +159,212 @@ def test_fsdp2_bf16_mixed_precision_keeps_float32_master_weights(
     assert torch.nn.functional.cosine_similarity(update_bf16, update_fp32, dim=0) > 0.9
 
 
+class _Recorder:
+    """A weight sender that keeps what a publish hands it: (layout, tensors) per publish."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[Any, list[torch.Tensor]]] = []
+
+    def publish(self, weights: Any, version: int) -> None:
+        self.published.append((weights.layout, [t.clone() for t in weights.tensors()]))
+
+
+def _load_both_ways(rank: int, world: int, dirs: dict[str, str], broken: str, run_id: str
+                    ) -> dict[str, Any]:
+    """Each saved model loaded as the trainer loaded it before (whole, then sharded) and as
+    it does now (built on the meta device, sharded, then filled by `load_shards`), recording
+    which rank read checkpoint tensors and how many; then a Trainer on the meta-loaded model
+    (with a sharded KL reference) publishes in the engines' bf16."""
+    import transformers
+
+    import pipelinerl.parallel as parallel
+    from pipelinerl.models.hf import load_model
+    from pipelinerl.parallel import load_shards
+    from pipelinerl.trainer import Trainer
+
+    cfg = _cfg()
+    reads: list[int] = []  # elements of each checkpoint chunk this rank read
+    whole_loads: list[str] = []
+    chunks = parallel._checkpoint_chunks
+
+    def counted(model: Any, path: Any, chunk_bytes: Any, world: int) -> list[Any]:
+        def count(load: Any) -> Any:
+            def run() -> dict[str, torch.Tensor]:
+                got = load()
+                reads.append(sum(t.numel() for t in got.values()))
+                return got
+            return run
+        return [count(load) for load in chunks(model, path, chunk_bytes, world)]
+
+    def no_whole_load(*args: Any, **kwargs: Any) -> Any:
+        whole_loads.append(str(args[:1]))
+        raise AssertionError("the sharded load read the whole model")
+
+    parallel._checkpoint_chunks = counted
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5], [35, 8, 9, 7, 9, 3]])
+    out: dict[str, Any] = {}
+    for arch, path in dirs.items():
+        real = transformers.AutoModelForCausalLM.from_pretrained
+        transformers.AutoModelForCausalLM.from_pretrained = no_whole_load
+        try:
+            meta = load_model(path, device="meta").train()
+            new = load_shards(wrap_model(meta, cfg.trainer, "cpu", world), path,
+                              cfg.trainer.fsdp, "cpu", chunk_bytes=20_000)
+        finally:
+            transformers.AutoModelForCausalLM.from_pretrained = real
+        local = sum(p.to_local().numel() for p in new.parameters())
+        old = wrap_model(load_model(path).train(), cfg.trainer, "cpu", world)
+        logits = []
+        for model in (new, old):
+            with torch.no_grad():
+                logits.append(model(input_ids=ids).logits)
+        out[arch] = {"new": _gathered(new), "old": _gathered(old), "logits": logits,
+                     "tied": new.lm_head.weight is new.model.embed_tokens.weight,
+                     "buffers": {n: b.clone() for n, b in new.named_buffers()},
+                     "local": local, "total": sum(p.numel() for p in new.parameters()),
+                     "reads": list(reads)}
+        reads.clear()
+    out["whole_loads"] = whole_loads
+    try:  # a checkpoint without one of the model's tensors: refused on every rank alike
+        load_shards(wrap_model(load_model(broken, device="meta"), cfg.trainer, "cpu", world),
+                    broken, cfg.trainer.fsdp, "cpu")
+        out["refusal"] = "no error"
+    except ValueError as e:
+        out["refusal"] = str(e)
+    # The trainer's publish: the engines run bf16.
+    path = dirs["qwen2"]
+    tcfg = _cfg(f"model.path={path}", "engine.dtype=bfloat16", "trainer.loss.kl_coef=0.1")
+    model = load_shards(wrap_model(load_model(path, device="meta").train(), tcfg.trainer, "cpu",
+                                   world), path, tcfg.trainer.fsdp, "cpu")
+    sender = _Recorder() if rank == 0 else None
+    trainer = Trainer(tcfg, model, None, sender)
+    out["ref_frozen"] = not any(p.requires_grad for p in trainer.ref_model.parameters())
+    with torch.no_grad():
+        out["ref_logits"] = trainer.ref_model(input_ids=ids).logits
+    trainer._publish()
+    out["trainer_reads"] = reads  # the trained model's and the reference's, default chunks
+    out["fp32"] = _gathered(model)
+    if sender is not None:
+        ((layout, tensors),) = sender.published
+        out["published"] = {p.name: (p.dtype, tensors[p.slot]) for p in layout.params}
+        # Through the shared-memory channel into a bf16 engine's and a float32 engine's tensors.
+        channel = ShmWeightSender(run_id)
+        channel.publish(GatheredWeights(model, dtype=torch.bfloat16), version=1)
+        receiver = ShmWeightReceiver(run_id)
+        start = tiny_hf_model("qwen2", seed=1).state_dict()
+        out["received"] = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            targets = {k: torch.zeros_like(v, dtype=dtype) for k, v in start.items()}
+            assert receiver.receive_into(targets) == 1
+            out["received"][dtype] = targets
+        receiver.close()
+        channel.close()
+    else:
+        # The other rank took part in the channel's gathers.
+        GatheredWeights(model, dtype=torch.bfloat16).drain()
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict]:
+    """A tied (qwen2) and an untied (llama) model, the llama one saved in several safetensors
+    files (an index), loaded both ways on 2 ranks."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for arch, shard_size in (("qwen2", None), ("llama", "100KB")):
+        dirs[arch] = str(root / arch)
+        kwargs = {"max_shard_size": shard_size} if shard_size else {}
+        tiny_hf_model(arch, seed=1).save_pretrained(dirs[arch], **kwargs)
+    assert (root / "llama" / "model.safetensors.index.json").exists()
+    from safetensors.torch import load_file, save_file
+
+    broken = root / "broken"
+    tiny_hf_model("qwen2", seed=1).save_pretrained(broken)
+    state = load_file(broken / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    return run_ranks(2, _load_both_ways, dirs, str(broken), f"test-{uuid.uuid4().hex[:12]}"), dirs
+
+
+def test_meta_device_load_gives_the_same_model_and_only_rank0_reads_weights(
+        loaded_ranks: tuple[list[dict[str, Any]], dict]) -> None:
+    from pipelinerl.models.hf import load_model
+
+    ranks, dirs = loaded_ranks
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5], [35, 8, 9, 7, 9, 3]])
+    for arch, path in dirs.items():
+        whole = load_model(path)
+        with torch.no_grad():
+            want = whole(input_ids=ids).logits
+        for rank in ranks:
+            got = rank[arch]
+            assert got["new"].keys() == got["old"].keys() == whole.state_dict().keys()
+            for name, t in whole.state_dict().items():
+                assert torch.equal(got["new"][name], t), (arch, name)
+                assert torch.equal(got["old"][name], t), (arch, name)
+            # The sharded model computes what the old sharded load and the whole model do.
+            new_logits, old_logits = got["logits"]
+            assert torch.equal(new_logits, old_logits), arch
+            torch.testing.assert_close(new_logits, want, atol=1e-5, rtol=1e-5)
+            assert got["tied"] == (arch == "qwen2")  # lm_head = embed_tokens stays one tensor
+            # Buffers outside the checkpoint (rotary inv_freq) kept their computed values.
+            whole_buffers = dict(whole.named_buffers())
+            assert got["buffers"].keys() == whole_buffers.keys() and got["buffers"]
+            for name, b in got["buffers"].items():
+                assert torch.equal(b, whole_buffers[name]), (arch, name)
+            # Each rank holds about half the parameters (FSDP2 pads the last shard).
+            assert got["local"] <= got["total"] // 2 + 2048, arch
+    rank0, rank1 = ranks
+    for rank in ranks:
+        assert "lacks 1 of the model's tensors: ['model.norm.weight']" in rank["refusal"]
+    # No rank built the model from the whole checkpoint; rank 0 alone read tensors, the
+    # whole checkpoint once per load, a chunk of at most 20 kB (5,000 float32) at a time
+    # unless one tensor is larger (by default: half the checkpoint, on 2 ranks).
+    assert rank0["whole_loads"] == rank1["whole_loads"] == []
+    assert rank1["trainer_reads"] == [] and all(rank1[arch]["reads"] == [] for arch in dirs)
+    for arch, path in dirs.items():
+        # Tied: lm_head.weight is saved once, as embed_tokens.
+        state = {n: t for n, t in load_model(path).state_dict().items()
+                 if not (arch == "qwen2" and n == "lm_head.weight")}
+        reads = rank0[arch]["reads"]
+        assert sum(reads) == sum(t.numel() for t in state.values()), arch
+        largest = max(t.numel() for t in state.values())
+        assert len(reads) > 3 and all(n <= max(5_000, largest) for n in reads), (arch, reads)
+    # The trainer's model and its KL reference, each in chunks of half the checkpoint.
+    qwen2 = sum(rank0["qwen2"]["reads"])
+    assert sum(rank0["trainer_reads"]) == 2 * qwen2 and len(rank0["trainer_reads"]) >= 4
+    largest = max(t.numel() for t in load_model(dirs["qwen2"]).state_dict().values())
+    assert max(rank0["trainer_reads"]) <= max(-(-qwen2 // 2), largest)
+
+
+def test_fsdp2_publishes_in_the_engine_dtype(
+        loaded_ranks: tuple[list[dict[str, Any]], dict]) -> None:
+    from pipelinerl.models.hf import load_model
+
+    ranks, dirs = loaded_ranks
+    rank0 = ranks[0]
+    fp32 = rank0["fp32"]
+    assert {t.dtype for t in fp32.values()} == {torch.float32}  # the master weights
+    # The trainer (engine.dtype=bfloat16) published bf16: layout and tensors, each exactly
+    # the float32 master weight rounded to bf16.
+    assert rank0["published"].keys() == fp32.keys()
+    for name, (dtype, t) in rank0["published"].items():
+        assert dtype == t.dtype == torch.bfloat16, name
+        assert torch.equal(t, fp32[name].to(torch.bfloat16)), name
+    # The actors load them: into bf16 tensors exactly, into float32 ones widened.
+    for dtype, targets in rank0["received"].items():
+        for name, t in targets.items():
+            assert t.dtype == dtype
+            assert torch.equal(t, fp32[name].to(torch.bfloat16).to(dtype)), name
+    # The sharded KL reference (built on the meta device too) is the starting model.
+    with torch.no_grad():
+        want = load_model(dirs["qwen2"])(input_ids=torch.tensor(
+            [[3, 14, 15, 9, 26, 5], [35, 8, 9, 7, 9, 3]])).logits
+    for rank in ranks:
+        assert rank["ref_frozen"]
+        torch.testing.assert_close(rank["ref_logits"], want, atol=1e-5, rtol=1e-5)
+
+
 def _save_after_one_step(rank: int, world: int, run_dir: str) -> dict[str, torch.Tensor]:
     cfg = _cfg()
     model = wrap_model(_new_model(), cfg.trainer, "cpu", world)

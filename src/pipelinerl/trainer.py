@@ -25,7 +25,14 @@ from tqdm import tqdm
 
 from pipelinerl.attempts import record_resume
 from pipelinerl.config import Config
-from pipelinerl.parallel import GatheredWeights, full_state_dict, is_sharded, shard_frozen, wrap_model
+from pipelinerl.parallel import (
+    GatheredWeights,
+    full_state_dict,
+    is_sharded,
+    load_shards,
+    shard_frozen,
+    wrap_model,
+)
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.streams.base import StreamReader
@@ -244,14 +251,16 @@ class Trainer:
         if tc.loss.kl_coef > 0:
             from pipelinerl.models.hf import load_model
 
-            if is_sharded(model):
-                ref = load_model(cfg.model.path, dtype=torch.float32, device="cpu").eval()
+            if is_sharded(model):  # built empty, then filled shard by shard as the model
+                ref = load_model(cfg.model.path, dtype=torch.float32, device="meta").eval()
             else:
                 param = next(model.parameters())
                 ref = load_model(cfg.model.path, dtype=param.dtype, device=param.device).eval()
             set_packed_attention(ref, tc)
-            self.ref_model = (shard_frozen(ref, tc.fsdp, tc.device) if is_sharded(model)
-                              else ref.requires_grad_(False))
+            self.ref_model = (
+                load_shards(shard_frozen(ref, tc.fsdp, tc.device), cfg.model.path, tc.fsdp,
+                            tc.device)
+                if is_sharded(model) else ref.requires_grad_(False))
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
         self.samples_trained = 0
         self.started_at = time.monotonic()
@@ -353,7 +362,8 @@ class Trainer:
     def _publish(self) -> None:
         t0 = time.monotonic()
         if is_sharded(self.model):
-            weights = GatheredWeights(self.model)
+            # Gathered in the engines' dtype: what they hold, half of float32's bytes for bf16.
+            weights = GatheredWeights(self.model, dtype=getattr(torch, self.cfg.engine.dtype))
             if self.sender is None:
                 weights.drain()
             else:
@@ -517,9 +527,10 @@ def run_trainer(cfg: Config) -> None:
         logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
                                resume_step=resume_step, attempt=cfg.attempt)
         audit = open_run_jsonl(run_dir / "trained.jsonl", resume_step, cfg.attempt)
-    # FSDP2 moves each rank's shard to the device; the whole model stays in host memory.
-    load_on = "cpu" if cfg.trainer.strategy == "fsdp2" else device
-    model = load_model(cfg.model.path, dtype=torch.float32, device=load_on)
+    # FSDP2: every rank builds the model empty (meta device), shards it, then receives its
+    # shards of the weights from rank 0 (`load_shards`): no rank holds the whole model.
+    fsdp = cfg.trainer.strategy == "fsdp2"
+    model = load_model(cfg.model.path, dtype=torch.float32, device="meta" if fsdp else device)
     if cfg.model.lora is not None:
         from pipelinerl.models.lora import apply_lora
 
@@ -528,6 +539,8 @@ def run_trainer(cfg: Config) -> None:
     set_packed_attention(model, cfg.trainer)
     wrapped = wrap_model(model, cfg.trainer, device, world)
     sharded = is_sharded(wrapped)
+    if sharded:
+        load_shards(wrapped, cfg.model.path, cfg.trainer.fsdp, device)
     source = sender = control = evals = None
     if is_main:
         max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag

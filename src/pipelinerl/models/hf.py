@@ -71,13 +71,41 @@ def check_engine_model(path: str | Path, backend: str, max_seq_len: int) -> None
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
-    """A causal LM from a local HF directory, in eval mode, on `device` in `dtype`."""
+    """A causal LM from a local HF directory, in eval mode, on `device` in `dtype`.
+
+    `device="meta"`: the model's structure alone, no weight read (a sharded trainer's ranks
+    build it so, shard it, then load only their shards: `pipelinerl.parallel.load_shards`).
+    Its parameters are on the meta device (no memory); its buffers are real, computed on the
+    CPU, since those the checkpoint lacks (rotary `inv_freq`) are not loaded later."""
     read_model_type(path)
+    if torch.device(device).type == "meta":
+        return _empty_model(Path(path), dtype).eval()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelPathError(f"could not load model weights from {str(path)!r}: {e}") from e
     return model.to(device).eval()
+
+
+def _empty_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    from accelerate import init_empty_weights
+    from transformers import GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        # Each parameter moves to the meta device as it is registered, before its
+        # initialisation runs; buffers stay where they are computed (include_buffers=False).
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # The patched registration gave each tied name a parameter of its own: tie them again
+        # (lm_head = embed_tokens is one parameter, as in a loaded model).
+        model.tie_weights()
+        if (path / "generation_config.json").is_file():  # as from_pretrained would read it
+            model.generation_config = GenerationConfig.from_pretrained(
+                str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelPathError(f"could not build the model of {str(path)!r}: {e}") from e
+    return model
 
 
 _PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
