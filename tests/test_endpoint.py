@@ -124,8 +124,7 @@ def test_a_weight_update_lands_between_two_tokens_of_a_request(served) -> None:
     ({"model": "tiny", "token_ids": [1], "sampling_params": {"n": 2}}, "'n'"),
     ({"model": "tiny", "token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
     ({"model": "tiny", "token_ids": [1, VOCAB]}, "outside the vocabulary"),
-    ({"model": "tiny", "token_ids": [1] * 30, "sampling_params": {"max_tokens": 11}},
-     "exceeds max_model_len 40"),
+    ({"model": "tiny", "token_ids": [1] * 40}, "leaves no room to generate in max_model_len 40"),
     ({"model": "other", "token_ids": [1]}, "not served here"),
 ])
 def test_a_bad_request_gets_a_400_naming_what_is_wrong(served, body: Any, message: str) -> None:
@@ -135,6 +134,13 @@ def test_a_bad_request_gets_a_400_naming_what_is_wrong(served, body: Any, messag
               else requests.post(url, json=body, timeout=10))
     assert answer.status_code == 400 and message in answer.json()["error"]["message"]
     assert _generate(endpoint.url, [1, 2], max_tokens=2).status_code == 200  # still serving
+
+
+def test_a_request_longer_than_the_context_leaves_gets_what_fits(served) -> None:
+    _, _, endpoint, _ = served
+    choice = _generate(endpoint.url, [1] * 35, max_tokens=20).json()["choices"][0]
+    assert len(choice["token_ids"]) <= 5
+    assert len(choice["token_ids"]) == 5 or choice["finish_reason"] == "stop"
 
 
 def test_a_full_queue_answers_503_and_a_closing_actor_answers_the_waiting() -> None:

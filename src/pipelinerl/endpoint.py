@@ -171,10 +171,12 @@ class GenerateEndpoint:
         if problem:
             return _error(400, problem)
         p = body.sampling_params
+        # A later turn of an episode may ask more than the context has left: it gets what
+        # fits, and finish_reason "length", rather than an error that ends the episode.
+        room = self.max_model_len - len(body.token_ids)
         request = GenerationRequest(
             f"{REQUEST_PREFIX}{next(self._ids)}", list(body.token_ids),
-            SamplingParams(max_new_tokens=p.max_tokens or min(
-                               self.default_max_tokens, self.max_model_len - len(body.token_ids)),
+            SamplingParams(max_new_tokens=min(p.max_tokens or self.default_max_tokens, room),
                            temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k),
                            stop_token_ids=tuple(p.stop_token_ids)))
         waiting = _Waiting(asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
@@ -199,10 +201,8 @@ class GenerateEndpoint:
         stops = [t for t in body.sampling_params.stop_token_ids if not 0 <= t < self.vocab_size]
         if stops:
             return f"stop_token_ids outside the vocabulary: {stops[:5]}"
-        room = self.max_model_len - len(body.token_ids)
-        wanted = body.sampling_params.max_tokens or 1
-        if wanted > room:
-            return (f"prompt of {len(body.token_ids)} tokens + max_tokens {wanted} exceeds "
+        if len(body.token_ids) >= self.max_model_len:
+            return (f"prompt of {len(body.token_ids)} tokens leaves no room to generate in "
                     f"max_model_len {self.max_model_len}")
         return ""
 
