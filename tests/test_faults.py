@@ -9,10 +9,8 @@ import errno
 import json
 import os
 import random
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,10 +23,7 @@ from pipelinerl.config import load_config
 from pipelinerl.streams import open_reader, open_writer
 
 from test_checkpoint import _groups, _NoTokenizer, _source, _trainer, _weights
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
-AUDIT_LINE = re.compile(r"^published (\d+) trained (\d+) dropped (\d+) lost (\d+) duplicated (\d+)$",
-                        re.M)
+from test_reliability import EXAMPLE, _audit, _pid_of, _train
 
 
 # ---- the disk fills while a checkpoint is written --------------------------------------------
@@ -191,11 +186,6 @@ EVAL = ("eval.enabled=true", "eval.num_problems=16", "eval.every_steps=2", "eval
         "eval.temperature=0")
 
 
-def _train(args: list[str], *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "train", str(EXAMPLE), *args,
-                             *flags], stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -214,20 +204,6 @@ def _wait_for(proc: subprocess.Popen, done, what: str, timeout_s: float = 300) -
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f} s"
         time.sleep(0.2)
-
-
-def _pid_of(pattern: str) -> int:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    assert len(out) == 1, f"{pattern}: {out}"
-    return int(out[0])
-
-
-def _audit(run_dir: Path) -> tuple[int, list[int], str]:
-    out = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "audit", str(run_dir)],
-                         capture_output=True, text=True, timeout=120)
-    match = AUDIT_LINE.search(out.stdout)
-    assert match, out.stdout + out.stderr
-    return out.returncode, [int(x) for x in match.groups()], out.stdout
 
 
 def _resumed_in_full(args: list[str], run_dir: Path, max_steps: int) -> None:

@@ -88,6 +88,11 @@ def _leave_now(code: int) -> None:
     flight) would hold this rank, and the others waiting for it in a collective, for the
     collective timeout (30 min), unseen by torchrun, which stops the others once one exited."""
     traceback.print_exc()
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """Exit with `code` at once, logs and output flushed, no interpreter teardown."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -192,10 +197,7 @@ def run() -> None:
         # CPython ends a process by SIGINT at exit (code -2) once a KeyboardInterrupt crossed
         # an embedded PyRun call (pybind11's exec while torch imports), even one handled since:
         # seen in 3 of 30 Ctrl-Cs 1-2 s after start. The code is set directly instead.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     sys.exit(code)
 
 

@@ -148,7 +148,7 @@ class GenerateEndpoint:
             self._loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, port)
             self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
+            self.port = self._runner.addresses[0][1]  # the one bound (port 0: a free one)
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._error = e
             self._started.set()

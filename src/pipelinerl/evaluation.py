@@ -353,8 +353,7 @@ def run_evaluator(cfg: Config) -> None:
         writer.write({"version": version, "final": final, "attempt": cfg.attempt, **metrics})
 
     try:
-        logged = logged_versions(cfg.run_dir / METRICS)
-        if cfg.attempt == 0 and not logged:
+        if cfg.attempt == 0 and not logged_versions(cfg.run_dir / METRICS):
             run_pass(final=False)  # version 0: the starting policy, before any update
         else:
             # A resumed run, or an evaluator restarted after it died: the newest weights come

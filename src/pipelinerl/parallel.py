@@ -130,8 +130,7 @@ def _checkpoint_chunks(model: torch.nn.Module, path: Path, chunk_bytes: int | No
     directory without safetensors files: one chunk, the whole model loaded (on rank 0)."""
     from safetensors import safe_open
 
-    objects = {**dict(model.named_parameters(remove_duplicate=False)),
-               **dict(model.named_buffers(remove_duplicate=False))}
+    objects = _state_objects(model)
     wanted = {name: id(objects[name]) for name in model.state_dict().keys()}
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -183,6 +182,12 @@ _SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4
                       "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+def _state_objects(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by state-dict name; tied names map to one object."""
+    return {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
@@ -222,8 +227,7 @@ class GatheredWeights:
             if isinstance(module, FSDPModule):
                 module.reshard()
         # The state dict's names (Hugging Face's); tied names share one parameter object.
-        objects = {**dict(model.named_parameters(remove_duplicate=False)),
-                   **dict(model.named_buffers(remove_duplicate=False))}
+        objects = _state_objects(model)
         slot_of: dict[int, int] = {}
         params, self._slots = [], []
         for name in model.state_dict().keys():
