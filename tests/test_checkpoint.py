@@ -19,7 +19,6 @@ from pipelinerl.checkpoint import (
     complete_checkpoints,
     latest_checkpoint,
     read_state,
-    save_checkpoint,
 )
 from pipelinerl.config import MetricsConfig, load_config
 from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl

@@ -285,6 +285,8 @@ def test_a_killed_launcher_leaves_no_process_of_its_run_and_resume_finishes_it(
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert left == [], f"left running 10 s after the launcher died: {left}"
+    # Each role cleaned up as it stopped: the trainer's weights left no file in /dev/shm.
+    assert not list(Path("/dev/shm").glob("pipelinerl-launcher-kill-*")), "weights file left"
     assert max(_steps(run_dir)) < 100
     _resumed_in_full(args, run_dir, 100)
 

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelinerl.config import Config, load_config
 from pipelinerl.launch import launch, prepare_run
@@ -18,6 +19,9 @@ from pipelinerl.roles import (
     open_control_writer,
     open_rollout_reader,
     open_rollout_writer,
+    open_weight_receiver,
+    open_weight_sender,
+    write_stop_unwinding,
 )
 from pipelinerl.trainer import BatchSource
 from pipelinerl.types import Group, Sample
@@ -99,6 +103,70 @@ def test_batch_source_without_a_lag_bound_still_drops_negative_lag_from_a_fake_s
     source = BatchSource(_ListReader(records), group_size=1, max_lag=None, timeout_s=5.0)
     assert [g.group_id for g in source.take(1, step=0)] == ["mine"]
     assert source.dropped["negative_lag"] == 1
+
+
+def test_batch_source_that_gets_only_unusable_groups_stops_with_their_count():
+    """Before, any arrival reset the timeout: a trainer fed another run's groups dropped them
+    as negative lag for ever (seen: 50,000 of them, no step) instead of failing."""
+
+    class _Endless:
+        def read(self, max_count: int, timeout_s: float) -> list[dict]:
+            return [_group(f"x{i}", [6]).to_dict() for i in range(max_count)]
+
+        def close(self) -> None:
+            pass
+
+    source = BatchSource(_Endless(), group_size=1, max_lag=4, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match=r"no usable rollout .* dropped meanwhile.*negative_lag"):
+        source.take(1, step=0)
+    assert source.dropped["negative_lag"] > 0
+
+
+def test_weights_a_killed_launch_left_in_shared_memory_never_reach_the_next(tmp_path: Path):
+    """A killed trainer leaves its /dev/shm file; a new launch of the same name in the same
+    directory read it before (its actors generated with the old run's version 6)."""
+    first = _cfg(tmp_path, "local", f"first-{uuid.uuid4().hex[:8]}")
+    second = _cfg(tmp_path, "local", f"second-{uuid.uuid4().hex[:8]}")
+    killed = open_weight_sender(first)
+    killed.publish({"w": torch.ones(3)}, 6)  # never closed, as after SIGKILL
+    receiver = open_weight_receiver(second, actor_id=0)
+    try:
+        assert receiver.poll() is None
+    finally:
+        receiver.close()
+        killed.close()
+
+
+def test_a_resumed_attempt_removes_the_weights_file_its_crashed_attempt_left(tmp_path: Path):
+    from pipelinerl.roles import _channel_id
+    from pipelinerl.sync.shm import shm_path
+
+    cfg = _cfg(tmp_path, "local", f"r-{uuid.uuid4().hex[:8]}")
+    crashed = open_weight_sender(cfg)
+    crashed.publish({"w": torch.ones(3)}, 6)
+    left = shm_path(_channel_id(cfg))
+    assert left.exists()
+    cfg.attempt = 1
+    resumed = open_weight_sender(cfg)
+    try:
+        assert not left.exists()
+    finally:
+        resumed.close()
+        crashed.close()  # its file is gone already: nothing to unlink, nothing raised
+
+
+@pytest.mark.redis
+def test_a_trainer_unwinding_after_its_redis_died_skips_the_stop_record_at_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from pipelinerl.streams import start_redis_server
+
+    server = start_redis_server(tmp_path / "redis", appendonly=False)
+    cfg = _cfg(tmp_path, "redis", "r", server.url)
+    control = open_control_writer(cfg)
+    server.stop()  # as when the launcher died: PR_SET_PDEATHSIG stops it beside the trainer
+    write_stop_unwinding(control, cfg, step=3)  # one try, then on with the trainer's cleanup
+    assert "no stop record written" in caplog.text and server.url.split("//")[1] in caplog.text
+    control.close()
 
 
 def test_metrics_file_of_another_launch_is_never_appended_to(tmp_path: Path):

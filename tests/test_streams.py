@@ -352,6 +352,24 @@ def test_redis_server_restart_with_append_only_file_loses_nothing(tmp_path: Path
 
 
 @pytest.mark.redis
+def test_redis_writer_that_stopped_retrying_fails_at_once_when_its_server_is_gone(
+        tmp_path: Path) -> None:
+    """What a trainer writes as it unwinds, when a launcher killed outright took the run's
+    redis-server with it: before, the write reconnected for about a minute (CI saw the orphaned
+    trainer still running 10 s after the launcher died)."""
+    server = start_redis_server(tmp_path, appendonly=False)
+    writer = open_writer("redis", url=server.url, run="r", stream="control", writer_id="t")
+    writer.write({"i": 0})
+    server.stop()
+    writer.stop_retrying()
+    started = time.monotonic()
+    with pytest.raises(StreamConnectionError, match=server.url.split("//")[1]):
+        writer.write({"type": "stop"})
+    assert time.monotonic() - started < 10  # reconnecting() would try for about 60 s
+    writer.close()
+
+
+@pytest.mark.redis
 def test_redis_server_start_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="apt-get install redis-server"):
         start_redis_server(tmp_path, binary="redis-server-missing")

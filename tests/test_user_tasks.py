@@ -8,7 +8,6 @@ import json
 import random
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 

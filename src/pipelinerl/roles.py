@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
 from pipelinerl.admission import LocalLedger, RedisLedger, open_ledger
 from pipelinerl.config import Config
-from pipelinerl.streams import Reader, Writer, open_reader, open_writer
+from pipelinerl.streams import Reader, StreamConnectionError, Writer, open_reader, open_writer
 from pipelinerl.sync import make_receiver, make_sender
 from pipelinerl.sync.base import WeightReceiver, WeightSender
+from pipelinerl.sync.shm import shm_path
+
+log = logging.getLogger(__name__)
 
 ROLLOUTS = "rollouts"
 CONTROL = "control"
@@ -109,18 +113,31 @@ def write_stop(writer: Writer, cfg: Config, step: int, **extra: Any) -> None:
     writer.write({"type": "stop", "attempt": cfg.attempt, "step": step, **extra})
 
 
+def write_stop_unwinding(writer: Writer, cfg: Config, step: int) -> None:
+    """The stop record as the trainer unwinds (Ctrl-C, SIGTERM, an error), so the actors
+    leave sooner: one try. A launcher killed outright takes the run's redis-server with it, and
+    reconnecting for a minute would keep the orphaned trainer alive as long."""
+    writer.stop_retrying()
+    try:
+        write_stop(writer, cfg, step)
+    except StreamConnectionError as e:
+        log.warning("no stop record written: %s", e)
+
+
 def write_returned(writer: Writer, cfg: Config, returned: dict[int, int]) -> None:
     """Cumulative per actor: a reader needs only the newest record."""
     writer.write({"type": "returned", "attempt": cfg.attempt,
                   "returned": {str(k): v for k, v in returned.items()}})
 
 
-def _channel_id(cfg: Config) -> str:
-    # Two runs of the same name in different output directories must not share a segment,
-    # nor two attempts of one run: a resumed run's actors must never see the newer weights
-    # the crashed attempt published after its last checkpoint.
+def _channel_id(cfg: Config, attempt: int | None = None) -> str:
+    """Unique per launch (run_id) and attempt. Another launch's weights left in /dev/shm must
+    never reach an actor: a run killed outright left version 6 there, a new launch of the same
+    name in the same directory read it at start, and its trainer dropped every group as
+    negative lag. Nor may a resumed attempt's actors see the newer weights the crashed attempt
+    published after its last checkpoint."""
     digest = hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
-    return f"{cfg.name}-{digest}-{cfg.attempt}"
+    return f"{cfg.name}-{digest}-{cfg.run_id}-{cfg.attempt if attempt is None else attempt}"
 
 
 def _n_receivers(cfg: Config) -> int:
@@ -130,6 +147,8 @@ def _n_receivers(cfg: Config) -> int:
 
 def open_weight_sender(cfg: Config) -> WeightSender:
     if cfg.sync.backend == "shm":
+        for earlier in range(cfg.attempt):  # what crashed attempts left: memory, not files
+            shm_path(_channel_id(cfg, earlier)).unlink(missing_ok=True)
         return make_sender("shm", run_id=_channel_id(cfg))
     return make_sender("broadcast", init_method=_require_init_method(cfg),
                        n_actors=_n_receivers(cfg), device=cfg.trainer.device,

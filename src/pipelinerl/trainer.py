@@ -142,8 +142,11 @@ class BatchSource:
         return ids
 
     def take(self, n_groups: int, step: int) -> list[Group]:
-        """The next `n_groups` groups usable at optimizer step `step`, in arrival order."""
-        last_arrival = time.monotonic()
+        """The next `n_groups` groups usable at optimizer step `step`, in arrival order.
+        Raises TimeoutError when none usable came for `timeout_s`: groups that keep arriving
+        only to be dropped (another run's, all stale) stop the run instead of holding it."""
+        last_usable = time.monotonic()
+        dropped_before = sum(self.dropped.values())
         batch: list[Group] = []
         while len(batch) < n_groups:
             while self.buffer and len(batch) < n_groups:
@@ -153,20 +156,21 @@ class BatchSource:
                     self._give_back(group.actor_id, reason, group.group_id)
                     continue
                 batch.append(group)
+                last_usable = time.monotonic()
             if len(batch) == n_groups:
                 break
             self._announce_returned()
-            before = len(self.buffer)
-            self._pull()
-            if len(self.buffer) > before:
-                last_arrival = time.monotonic()
-            elif time.monotonic() - last_arrival > self.timeout_s:
+            if time.monotonic() - last_usable > self.timeout_s:  # the buffer is empty here
+                dropped = sum(self.dropped.values()) - dropped_before
                 raise TimeoutError(
-                    f"no rollout arrived for {self.timeout_s:.0f} s at step {step} (have "
-                    f"{len(batch)}/{n_groups} groups). {self.actors_report(step)} See the run's "
-                    "logs/ (with actor.drop_zero_variance, actors also drop every group a "
-                    "saturated policy solves or fails entirely: actor_skipped_zero_variance)"
+                    f"no usable rollout arrived for {self.timeout_s:.0f} s at step {step} (have "
+                    f"{len(batch)}/{n_groups} groups; {dropped} dropped meanwhile, the run's "
+                    f"drops by reason: {dict(self.dropped)}). {self.actors_report(step)} See "
+                    "the run's logs/ (with actor.drop_zero_variance, actors also drop every "
+                    "group a saturated policy solves or fails entirely: "
+                    "actor_skipped_zero_variance)"
                 )
+            self._pull()
         self._announce_returned()
         return batch
 
@@ -502,6 +506,7 @@ def run_trainer(cfg: Config) -> None:
         open_weight_sender,
         write_returned,
         write_stop,
+        write_stop_unwinding,
     )
 
     torch.set_num_threads(cfg.trainer.threads)
@@ -631,7 +636,7 @@ def run_trainer(cfg: Config) -> None:
         bar.close()
         if is_main:
             if not stop_written:
-                write_stop(control, cfg, trainer.step)
+                write_stop_unwinding(control, cfg, trainer.step)
             control.close()
             if evals is not None:
                 evals.reader.close()

@@ -13,6 +13,10 @@ class WriterStateLost(RuntimeError):
 class StreamWriter(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
 
+    def stop_retrying(self) -> None:
+        """Writes from here on fail at once if the stream's server is gone, with no retries."""
+        ...
+
     def last_record(self) -> dict[str, Any] | None:
         """The newest record this writer id wrote (an earlier process's too), kept where no
         trim reaches it; None if it never wrote one. Raises WriterStateLost if it did but the

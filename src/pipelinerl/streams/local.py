@@ -169,6 +169,9 @@ class LocalStreamWriter:
         os.fsync(self._file.fileno())  # once, so a clean shutdown is durable without fsync
         self._file.close()
 
+    def stop_retrying(self) -> None:
+        """Nothing to do: a local write has no server to wait for."""
+
     def close(self) -> None:
         if not self._file.closed:
             self._close_segment()

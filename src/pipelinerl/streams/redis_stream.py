@@ -150,6 +150,11 @@ class RedisStreamWriter:
             if len(pipe):
                 pipe.execute()
 
+    def stop_retrying(self) -> None:
+        """From here on a write to a server that is gone fails at once: for what a role writes
+        while it stops, when the server may be stopping beside it."""
+        self._client.set_retry(Retry(NoBackoff(), 0))
+
     def last_record(self) -> dict[str, Any] | None:
         """The newest record this writer id wrote (an earlier process's too): how a restarted
         writer learns where its predecessor stopped."""
