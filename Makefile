@@ -4,7 +4,7 @@ PY ?= python3
 .PHONY: install test test-slow test-vllm demo
 
 install:
-	$(PY) -m pip install -q -e ".[test,math,reasoning-gym]"
+	$(PY) -m pip install -q -e ".[test,math,reasoning-gym,verifiers]"
 
 # Fast tests, then the slow end-to-end ones (their own step: separate pytest runs).
 test: install redis

@@ -207,3 +207,26 @@ def test_a_training_run_serves_its_actors_engine(tmp_path) -> None:
     assert len(answer.json()["choices"][0]["versions"]) == len(answer.json()["choices"][0]["token_ids"])
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
+
+
+def test_answers_are_kept_by_session_until_collected_and_only_the_newest_sessions(served) -> None:
+    """What a verifiers trace cannot keep (versions) is kept here under its X-Session-ID."""
+    _, _, endpoint, driver = served
+    endpoint._max_sessions = 2
+
+    def ask(session: str | None, prompt: list[int]) -> dict:
+        headers = {"X-Session-ID": session} if session else {}
+        return requests.post(f"{endpoint.url}/inference/v1/generate", timeout=60, headers=headers,
+                             json={"model": "tiny", "token_ids": prompt,
+                                   "sampling_params": {"max_tokens": 5}}).json()["choices"][0]
+
+    first = [ask("s1", [3, 4]), ask("s1", [5, 6])]
+    ask(None, [7])  # no session: nothing kept
+    kept = endpoint.take_session("s1")
+    assert [(a.token_ids, a.logprobs, a.versions) for a in kept] == [
+        (c["token_ids"], [x["logprob"] for x in c["logprobs"]["content"]], c["versions"])
+        for c in first]
+    assert endpoint.take_session("s1") == []  # collected once
+    for session in ("a", "b", "c"):
+        ask(session, [3])
+    assert endpoint.take_session("a") == [] and len(endpoint.take_session("c")) == 1

@@ -34,8 +34,9 @@ from pipelinerl.types import (
     SamplingParams,
 )
 
-if TYPE_CHECKING:  # aiohttp is imported only by an actor that serves
+if TYPE_CHECKING:  # aiohttp and verifiers are imported only by an actor that uses them
     from pipelinerl.endpoint import GenerateEndpoint
+    from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class Actor:
         env_timeout_s: float = 10.0,
         env_workers: int = 2,
         endpoint: GenerateEndpoint | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         """`ledger`: the run's admission ledger (None: this actor alone, in memory).
         `returned`: how many published groups the trainer dropped, over every actor (the
@@ -156,7 +158,10 @@ class Actor:
         trainer's current weights before starting anything. With an environment (a task with
         `respond`, pipelinerl.tasks.environment) rollouts are multi-turn: `encode_text` tokenises its turn
         stops and replies, which it computes in `env_workers` processes under `env_timeout_s`.
-        `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.endpoint)."""
+        `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.endpoint).
+        `episodes`: the task is an environment of another library (verifiers), whose
+        episodes call the endpoint and are scored by the environment (pipelinerl.envs.verifiers);
+        a group then holds its place from its start until its episodes come back."""
         self.engine = engine
         self.task = task
         self.encode = encode
@@ -170,7 +175,9 @@ class Actor:
         self.actor_id = actor_id
         self.max_seq_len = max_seq_len
         self.max_prompt_tokens = max_seq_len - sampling.max_new_tokens
-        self.scorer = Scorer(task, verifier_timeout_s, verifier_workers)
+        self.episodes = episodes
+        # Episodes are scored by their environment: no verifier processes.
+        self.scorer = None if episodes else Scorer(task, verifier_timeout_s, verifier_workers)
         self.rollouts: Rollouts | None = None
         if is_environment(task):
             if encode_text is None:
@@ -215,8 +222,10 @@ class Actor:
                 if max_groups is not None and self.stats.groups_published >= max_groups:
                     break
                 self.maybe_update_weights()
-                for scored in self.scorer.poll():
+                for scored in self.scorer.poll() if self.scorer else ():
                     self.publish(scored)
+                for finished in self.episodes.poll() if self.episodes else ():
+                    self.on_episodes(finished)
                 if self.rollouts is not None:
                     for transcript in self.rollouts.poll():
                         self.on_rollout_end(transcript)
@@ -226,7 +235,10 @@ class Actor:
                 if self.in_flight == 0:
                     # Blocked by the staleness bound: wait for scores or the trainer's weights.
                     t0 = time.monotonic()
-                    self.scorer.wait(0.005)
+                    if self.scorer is not None:
+                        self.scorer.wait(0.005)
+                    else:
+                        time.sleep(0.005)
                     self.stats.idle_s += time.monotonic() - t0
                     continue
                 if self.rollouts is not None and self.rollouts.waiting() == self.in_flight:
@@ -238,9 +250,12 @@ class Actor:
                 for out in self.engine.step():
                     self.on_finished(out)
         finally:
-            self.scorer.close()
+            if self.scorer is not None:
+                self.scorer.close()
             if self.rollouts is not None:
                 self.rollouts.close()
+            if self.episodes is not None:
+                self.episodes.close()
             if self.endpoint is not None:
                 self.endpoint.close()
             self._log_skips()
@@ -263,7 +278,9 @@ class Actor:
                            "version": self.engine.version, "in_flight": self.in_flight,
                            "claimed": self.claimed(), "limit": self.schedule.limit(self.engine.version),
                            "returned": self.returned(), "waiting_for_weights": self.needs_weights,
-                           "blocked": self.in_flight == 0, "seq": self.published,
+                           # Episodes between two model calls hold no engine request.
+                           "blocked": self.in_flight == 0 and not (self.episodes and self._groups),
+                           "seq": self.published,
                            "generation": self._generation, "data_pos": self.data_pos()})
 
     def data_pos(self) -> int | None:
@@ -320,7 +337,7 @@ class Actor:
         if self.needs_weights:
             return
         long_in_a_row = 0
-        while self.in_flight + self.group_size <= self.engine.capacity and self.claim_place():
+        while self._room_for_a_group() and self.claim_place():
             if self.start_group():
                 long_in_a_row = 0
                 continue
@@ -334,19 +351,28 @@ class Actor:
                     "raise engine.max_seq_len or lower engine.max_new_tokens"
                 )
 
+    def _room_for_a_group(self) -> bool:
+        if self.episodes is not None:
+            # An episode makes about one engine request at a time: as many as the engine
+            # holds run at once (the endpoint queues any beyond).
+            return (len(self._groups) + 1) * self.group_size <= self.engine.capacity
+        return self.in_flight + self.group_size <= self.engine.capacity
+
     def start_group(self) -> bool:
         """Start a group in the next admitted place; False (counted, no place used) if the
         prompt drawn does not fit in the engine."""
         data_pos = getattr(self.task, "position", None)
         problem = self.task.sample_problem(self.rng)
+        if self.episodes is not None:  # the environment renders its prompts itself
+            group_id = self._new_group_id()
+            self._groups[group_id] = _PendingGroup(problem, data_pos)
+            self.episodes.start(group_id, problem, self.group_size)
+            return True
         prompt_ids = self.encode(problem.prompt)
         if len(prompt_ids) > self.max_prompt_tokens:
             self._skip_long_prompt(problem, len(prompt_ids))
             return False
-        group_id = f"a{self.actor_id}-g{self._next_group}"
-        if self._generation:
-            group_id = f"a{self.actor_id}-r{self._generation}-g{self._next_group}"
-        self._next_group += 1
+        group_id = self._new_group_id()
         self._groups[group_id] = _PendingGroup(problem, data_pos)
         for i in range(self.group_size):
             request_id = f"{group_id}-{i}"
@@ -357,6 +383,13 @@ class Actor:
             self.engine.add_request(request)
         self.in_flight += self.group_size
         return True
+
+    def _new_group_id(self) -> str:
+        group_id = f"a{self.actor_id}-g{self._next_group}"
+        if self._generation:
+            group_id = f"a{self.actor_id}-r{self._generation}-g{self._next_group}"
+        self._next_group += 1
+        return group_id
 
     def _skip_long_prompt(self, problem: Problem, n_tokens: int) -> None:
         self.stats.skip("prompt_too_long", problem.problem_id)
@@ -407,23 +440,37 @@ class Actor:
     def publish(self, scored: Scored) -> None:
         pending = self._groups.pop(scored.key)
         if scored.scores is None:
-            # The group's baseline needs every attempt: drop the whole group, counted; its
-            # place goes back, so a replacement keeps the trainer's batches whole.
-            self.stats.skip(scored.reason, pending.problem.problem_id)
-            self.ledger.set(self.actor_id, self.claimed())
+            self._drop(pending, scored.reason)
             return
         samples = [to_sample(out, score, scored.key, self.actor_id)
                    for out, score in zip(pending.outputs, scored.scores)]
+        self._publish_samples(scored.key, pending, samples)
+
+    def on_episodes(self, finished: FinishedGroup) -> None:
+        """A group of an environment's episodes came back, scored, or dropped."""
+        pending = self._groups.pop(finished.group_id)  # its tokens were counted as served
+        if finished.samples is None:
+            self._drop(pending, finished.reason)
+            return
+        self._publish_samples(finished.group_id, pending, finished.samples)
+
+    def _drop(self, pending: _PendingGroup, reason: str) -> None:
+        # The group's baseline needs every attempt: drop the whole group, counted; its place
+        # goes back, so a replacement keeps the trainer's batches whole.
+        self.stats.skip(reason, pending.problem.problem_id)
+        self.ledger.set(self.actor_id, self.claimed())
+
+    def _publish_samples(self, group_id: str, pending: _PendingGroup, samples: list[Sample]
+                         ) -> None:
         if self.drop_zero_variance and zero_variance(samples, self.truncated,
                                                      self.truncated_reward):
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
-            self.stats.skip("zero_variance", pending.problem.problem_id)
-            self.ledger.set(self.actor_id, self.claimed())
+            self._drop(pending, "zero_variance")
             return
         self.stats.groups_published += 1
         self.published += 1
         group = Group(
-            group_id=scored.key,
+            group_id=group_id,
             prompt=pending.problem.prompt,
             samples=samples,
             actor_id=self.actor_id,
@@ -436,10 +483,12 @@ class Actor:
         self._last_write = time.monotonic()
 
 
-def open_endpoint(cfg: Any, actor_id: int, vocab_size: int) -> GenerateEndpoint | None:
-    """The actor's generate endpoint (actor.endpoint_port; actor i on port + i), its URL
-    written to <run_dir>/endpoints/actor_<i> for clients to find; None when not asked for."""
-    if cfg.actor.endpoint_port is None:
+def open_endpoint(cfg: Any, actor_id: int, vocab_size: int, required: bool = False
+                  ) -> GenerateEndpoint | None:
+    """The actor's generate endpoint (actor.endpoint_port; actor i on port + i; a free port
+    when unset but `required`), its URL written to <run_dir>/endpoints/actor_<i> for clients
+    to find; None when not asked for."""
+    if cfg.actor.endpoint_port is None and not required:
         return None
     from pipelinerl.endpoint import GenerateEndpoint
 
@@ -544,6 +593,13 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
     if hasattr(task, "shard"):  # a dataset: each actor reads its own positions
         task.shard(actor_id, cfg.actor.num_actors)
+    episodic = getattr(task, "episodic", False)
+    endpoint = open_endpoint(cfg, actor_id, len(tokenizer), required=episodic)
+    episodes = None
+    if episodic:
+        from pipelinerl.envs.verifiers.episodes import open_episodes
+
+        episodes = open_episodes(cfg, task, endpoint, tokenizer, actor_id)
     actor = Actor(
         engine=engine,
         task=task,
@@ -574,7 +630,8 @@ def run_actor(cfg: Any, actor_id: int) -> None:
         encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
         env_timeout_s=cfg.actor.env_timeout_s,
         env_workers=cfg.actor.env_workers,
-        endpoint=open_endpoint(cfg, actor_id, len(tokenizer)),
+        endpoint=endpoint,
+        episodes=episodes,
     )
     try:
         actor.run()

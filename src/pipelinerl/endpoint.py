@@ -14,6 +14,11 @@ ids with each token's log-prob, and here also each token's policy version.
 `stop_token_ids`, `n`); others (`logprobs`, `skip_special_tokens`, `seed`, ...) are accepted and
 ignored: log-probs are always returned, tokens are ids, and the engine has one sampler seed.
 
+A request with an `X-Session-ID` header (verifiers' TrainClient sends its trace id) has its
+answer kept under that id until `take_session` collects it: the traces an environment library
+returns keep tokens and log-probs but no versions, so whoever trains on them reads the versions
+here (the `max_sessions` newest sessions are kept).
+
 The server (aiohttp) runs on its own thread and event loop; the actor's loop, which owns the
 engine, takes requests from a bounded queue between two decode steps (`take`) and hands back
 finished ones (`finish`). A request thus joins the engine's continuous batching like the
@@ -29,6 +34,7 @@ import json
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +71,16 @@ class _Generate(BaseModel):
 class _Waiting:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One generate call's completion as the engine made it: what a trace cannot keep."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 class GenerateEndpoint:
@@ -72,12 +88,14 @@ class GenerateEndpoint:
 
     def __init__(self, *, model: str, max_model_len: int, vocab_size: int,
                  default_max_tokens: int, host: str = "127.0.0.1", port: int = 0,
-                 max_pending: int = 256) -> None:
+                 max_pending: int = 256, max_sessions: int = 4096) -> None:
         self.model, self.max_model_len, self.vocab_size = model, max_model_len, vocab_size
         self.default_max_tokens = default_max_tokens
         self.host = host
         self._queue: queue.Queue[tuple[GenerationRequest, _Waiting]] = queue.Queue(max_pending)
         self._waiting: dict[str, _Waiting] = {}  # in the engine, by request id
+        self._sessions: OrderedDict[str, list[Answer]] = OrderedDict()
+        self._max_sessions = max_sessions
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -116,8 +134,22 @@ class GenerateEndpoint:
             waiting = self._waiting.pop(out.request_id, None)
         if waiting is None:
             return False
+        if waiting.session is not None:
+            self._keep(waiting.session, Answer(out.token_ids, out.logprobs, out.versions))
         waiting.loop.call_soon_threadsafe(_resolve, waiting.future, self._response(out))
         return True
+
+    def take_session(self, session: str) -> list[Answer]:
+        """The answers given under `session`, in order, forgotten here (any thread)."""
+        with self._lock:
+            return self._sessions.pop(session, [])
+
+    def _keep(self, session: str, answer: Answer) -> None:
+        with self._lock:
+            self._sessions.setdefault(session, []).append(answer)
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > self._max_sessions:  # a session never collected
+                self._sessions.popitem(last=False)
 
     def close(self) -> None:
         """Stop serving; requests not finished get a 503."""
@@ -179,7 +211,8 @@ class GenerateEndpoint:
             SamplingParams(max_new_tokens=min(p.max_tokens or self.default_max_tokens, room),
                            temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k),
                            stop_token_ids=tuple(p.stop_token_ids)))
-        waiting = _Waiting(asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+        waiting = _Waiting(asyncio.get_running_loop(), asyncio.get_running_loop().create_future(),
+                           http.headers.get("X-Session-ID"))
         with self._lock:
             if self._closed:
                 return _error(503, "the actor is stopping")

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -35,7 +35,11 @@ from pipelinerl.metrics.logger import METRICS
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
 from pipelinerl.tasks.environment import is_environment
-from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipelinerl.types import GenerationOutput, GenerationRequest, Sample, SamplingParams
+
+if TYPE_CHECKING:  # aiohttp and verifiers are imported only when a task needs them
+    from pipelinerl.endpoint import GenerateEndpoint
+    from pipelinerl.envs.verifiers.episodes import EpisodeRunner
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,7 @@ class _Tally:
     truncated: int = 0
     failures: int = 0
 
-    def count(self, outs: list[GenerationOutput | Transcript]) -> None:
+    def count(self, outs: list[GenerationOutput | Transcript | Sample]) -> None:
         """Lengths of one problem's finished attempts."""
         self.completions += len(outs)
         self.tokens += sum(len(o.token_ids) for o in outs)
@@ -165,6 +169,46 @@ def evaluate(
     return out
 
 
+def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: EpisodeRunner,
+                      problems: list[Problem], modes: list[EvalMode],
+                      between_steps: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """`evaluate` for an environment of another library (verifiers): each problem's episodes
+    call `endpoint`, served here by `engine`, and are scored by the environment. An episode
+    that fails (an error, its deadline) counts as unsolved, in `<mode>/verifier_failures`."""
+    version = engine.version
+    t0 = time.monotonic()
+    for m, mode in enumerate(modes):
+        for i, problem in enumerate(problems):
+            runner.start(f"{m}|{i}", problem, mode.attempts, mode.params)
+    tallies = [_Tally(mode.attempts) for mode in modes]
+    left = len(modes) * len(problems)
+    while left:
+        for request in endpoint.take(engine.capacity - engine.num_active()):
+            engine.add_request(request)
+        if not engine.num_active():
+            time.sleep(0.005)  # every episode is between two model calls
+        for out in engine.step() if engine.num_active() else ():
+            if any(v != version for v in out.versions):
+                raise RuntimeError(f"evaluation of version {version} got tokens of versions "
+                                   f"{sorted(set(out.versions))}: the weights changed mid-pass")
+            endpoint.finish(out)
+        for finished in runner.poll():
+            m, i = (int(x) for x in finished.group_id.split("|"))
+            left -= 1
+            if finished.samples is None:
+                tallies[m].failures += modes[m].attempts
+                continue
+            tallies[m].count(finished.samples)
+            tallies[m].solved[i] = sum(s.success for s in finished.samples)
+        between_steps()
+    out: dict[str, float] = {}
+    for mode, tally in zip(modes, tallies):
+        out.update(tally.metrics(mode.name, len(problems)))
+    out[f"{EVAL_PREFIX}num_problems"] = float(len(problems))
+    out[f"{EVAL_PREFIX}duration_s"] = time.monotonic() - t0
+    return out
+
+
 def _collect(scorer: Scorer, tallies: list[_Tally], modes: list[EvalMode]) -> int:
     """Tally the scored groups; returns how many came back."""
     scored = scorer.poll()
@@ -204,19 +248,30 @@ class EvalSetup:
     problems: list[Problem]
     prompt_ids: list[list[int]]
     modes: list[EvalMode]
-    scorer: Scorer
+    scorer: Scorer | None  # None: the episodes' environment scores them
     decode: Callable[[list[int]], str]
     rollouts: Rollouts | None = None  # an environment's multi-turn rollouts, on the engine
+    # An environment of another library: its episodes, and the endpoint they call.
+    episodes: tuple[GenerateEndpoint, EpisodeRunner] | None = None
 
     def run(self, engine: Engine, between_steps: Callable[[], None] = lambda: None
             ) -> dict[str, float]:
+        if self.episodes is not None:
+            return evaluate_episodes(engine, *self.episodes, self.problems, self.modes,
+                                     between_steps)
+        assert self.scorer is not None
         return evaluate(engine, self.problems, self.prompt_ids, self.modes, self.scorer,
                         self.decode, between_steps, self.rollouts)
 
     def close(self) -> None:
-        self.scorer.close()
+        if self.scorer is not None:
+            self.scorer.close()
         if self.rollouts is not None:
             self.rollouts.close()
+        if self.episodes is not None:
+            endpoint, runner = self.episodes
+            runner.close()
+            endpoint.close()
 
 
 def eval_device(cfg: Config) -> str:
@@ -235,14 +290,25 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
     encode, stop_ids, tokenizer = prompt_format(cfg, model_path)
     base = sampling_from_config(cfg.engine, stop_ids)
+    engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
+                                               "device": eval_device(cfg)})
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    if getattr(task, "episodic", False):  # the environment renders and scores its episodes
+        from pipelinerl.endpoint import GenerateEndpoint
+        from pipelinerl.envs.verifiers.episodes import open_episodes
+
+        endpoint = GenerateEndpoint(model=model_path, max_model_len=cfg.engine.max_seq_len,
+                                    vocab_size=len(tokenizer),
+                                    default_max_tokens=cfg.engine.max_new_tokens)
+        runner = open_episodes(cfg, task, endpoint, tokenizer, actor_id=-1)
+        engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
+        return EvalSetup(problems, [], eval_modes(cfg.eval, base), None, decode,
+                         episodes=(endpoint, runner)), engine
     problems, prompt_ids = fitting_problems(
         problems, encode,
         cfg.engine.max_seq_len - cfg.engine.max_new_tokens)
-    engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
-                                               "device": eval_device(cfg)})
     engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
     scorer = Scorer(task, cfg.actor.verifier_timeout_s, cfg.actor.verifier_workers)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     rollouts = None
     if is_environment(task):
         rollouts = Rollouts(task, engine, lambda text: tokenizer.encode(text, add_special_tokens=False),

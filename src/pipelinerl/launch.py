@@ -305,9 +305,18 @@ def check_task(cfg: Config) -> None:
     from pipelinerl.tasks import make_train_task
 
     try:
-        check_sendable(make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac))
+        task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
+        check_sendable(task)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"pipelinerl: {e}") from e
+    if getattr(task, "episodic", False):
+        from pipelinerl.models.hf import load_tokenizer
+
+        if not cfg.model.path or not getattr(load_tokenizer(cfg.model.path), "chat_template",
+                                             None):
+            raise SystemExit(f"pipelinerl: task {cfg.task.name!r} renders chat messages: "
+                             "model.path must name a model with a chat template (the warm-started "
+                             f"char model has none; model.path={cfg.model.path!r})")
 
 
 def check_model(cfg: Config) -> None:

@@ -9,16 +9,20 @@ import sys
 from typing import Any
 
 
+def working_directory_on_path() -> None:
+    """Console scripts do not put the working directory on sys.path; `python -m` does. Both
+    should find a user's module sitting beside their config."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def import_object(spec: str, what: str) -> Any:
     """The object `spec` ("module:attr", "module:Outer.inner") names; `what` ("task 'x'",
     "reward 'y'") starts every error message."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{what}: an import path is 'module:attribute' (e.g. my_tasks:Reverse)")
-    # Console scripts do not put the working directory on sys.path; `python -m` does. Both
-    # should find a user's module sitting beside their config.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    working_directory_on_path()
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as e:

@@ -58,8 +58,8 @@ def _score_in_worker(problem: Problem, completion: str) -> Score:
 
 def check_sendable(task: Task) -> None:
     """Refuse a task the verifier worker processes cannot receive (see the module docstring)."""
-    if getattr(task, "bounds_score_time", False):
-        return
+    if getattr(task, "bounds_score_time", False) or getattr(task, "episodic", False):
+        return  # scores in the caller's process, or its environment scores its episodes
     try:
         pickle.dumps(task)
     except Exception as exc:  # noqa: BLE001 - pickle raises several types

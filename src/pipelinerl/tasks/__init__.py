@@ -48,6 +48,7 @@ class DemonstrationTask(Task, Protocol):
 
 
 ENTRY_POINT_GROUP = "pipelinerl.tasks"
+VERIFIERS_PREFIX = "verifiers:"  # an environment written for verifiers (pipelinerl.envs.verifiers)
 
 
 def task_class(name: str) -> Any:
@@ -97,6 +98,10 @@ def check_task(task: Any, name: str) -> None:
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
     """Build the task `name` names (see `task_class`); an unknown name, an import that fails,
     unknown or missing params and bad values fail with the task and the param named."""
+    if name.startswith(VERIFIERS_PREFIX):
+        task = _verifiers_task(name, dict(params or {}))
+        check_task(task, name)
+        return task
     cls = task_class(name)
     params = dict(params or {})
     sig = inspect.signature(cls)
@@ -119,6 +124,19 @@ def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
         raise ValueError(f"task {name!r}: building it raised {type(e).__name__}: {e}") from e
     check_task(task, name)
     return task
+
+
+def _verifiers_task(name: str, params: dict[str, Any]) -> Task:
+    """`verifiers:<taskset id>`: an environment written for verifiers (docs/environments.md)."""
+    from pipelinerl.envs.verifiers.task import VerifiersTask
+
+    taskset_id = name[len(VERIFIERS_PREFIX):]
+    if not taskset_id:
+        raise ValueError(f"task {name!r}: name the environment, verifiers:<taskset id>")
+    try:
+        return VerifiersTask(taskset_id, params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"task {name!r}: {e}") from e
 
 
 def make_train_task(name: str, params: dict[str, Any] | None, heldout_frac: float) -> Task:

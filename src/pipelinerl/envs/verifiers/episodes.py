@@ -1,0 +1,264 @@
+"""Episodes of a verifiers environment, run against the actor's generate endpoint, turned into
+the samples pipelinerl trains on.
+
+Episodes run on one event loop per process, on a thread of its own (verifiers' renderer client
+binds module-level asyncio locks to the first loop that uses them: a second loop in the process
+would fail its model calls). A runner holds the env's serving resources (its interception
+server) there for the actor's life. The actor starts a group (`start`: n episodes
+of one task) and collects finished groups (`poll`); meanwhile each episode's model calls reach
+the actor's engine through the endpoint (harness -> interception -> TrainClient -> endpoint),
+joining its continuous batching like the actor's own requests.
+
+A trace keeps each turn's tokens, mask and log-probs but not which policy version sampled them:
+the endpoint keeps every answer under the trace's id (TrainClient's `X-Session-ID`), and each
+sampled turn is matched to the next answer with the same tokens. A group is dropped, with its
+reason counted, when any of its episodes fails (an error, the deadline, no model token, a turn
+with no answer, more than one trainable trace or branch): the baseline needs every attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipelinerl.endpoint import Answer, GenerateEndpoint
+from pipelinerl.envs.verifiers.task import VerifiersTask
+from pipelinerl.tasks.base import Problem
+from pipelinerl.types import ENV_VERSION, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FinishedGroup:
+    group_id: str
+    samples: list[Sample] | None  # None: dropped
+    reason: str = ""  # why it was dropped (a skip reason, `vf_...`)
+
+
+class EpisodeFailed(Exception):
+    """One episode cannot be trained on; `reason` is the counted skip."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class EpisodeRunner:
+    def __init__(self, task: VerifiersTask, *, endpoint_url: str, model: str,
+                 tokenizer_path: str, sampling: SamplingParams,
+                 take_answers: Callable[[str], list[Answer]], actor_id: int = 0) -> None:
+        """`model`: the name the endpoint serves; `tokenizer_path`: the model's directory,
+        where verifiers' renderer finds the tokenizer and chat template."""
+        import verifiers.v1 as vf
+
+        self.task = task
+        self.take_answers = take_answers
+        self.actor_id = actor_id
+        self.model = model
+        self.client = vf.TrainClientConfig(base_url=f"{endpoint_url}/v1",
+                                           renderer_model_name=tokenizer_path,
+                                           api_key_var="PIPELINERL_ENDPOINT_KEY")
+        self.sampling = sampling
+        # verifiers' own deadlines (each agent's rollout, the env's run) end an episode first;
+        # this ends a group whose scoring or teardown hangs.
+        self.group_timeout_s = task.episode_timeout_s + 30
+        self._done: queue.Queue[FinishedGroup] = queue.Queue()
+        self._running: set[asyncio.Task] = set()
+        self._loop = _episode_loop()
+        self._ready = threading.Event()
+        self._stop = asyncio.Event()
+        self._warned: set[str] = set()
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+        self._ready.wait()
+        if self._serving.done():
+            error = self._serving.exception()
+            raise RuntimeError(f"task {task.name!r}: starting the environment's serving "
+                               f"raised {type(error).__name__}: {error}") from error
+
+    # -- the actor's side -------------------------------------------------------------------
+    def start(self, group_id: str, problem: Problem, n: int,
+              sampling: SamplingParams | None = None) -> None:
+        """Run `n` episodes of `problem`'s task (sampled as `sampling` says, else as the
+        runner's default); the group comes back from `poll`."""
+        ctx = self._context(sampling or self.sampling)
+        self._loop.call_soon_threadsafe(self._launch, group_id, self.task.vf_task(problem), n,
+                                        ctx)
+
+    def _context(self, sampling: SamplingParams) -> Any:
+        import verifiers.v1 as vf
+
+        extra = {"top_k": sampling.top_k} if sampling.top_k > 0 else {}
+        return vf.ModelContext(model=self.model, client=self.client, sampling=vf.SamplingConfig(
+            temperature=sampling.temperature, top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens, **extra))
+
+    def poll(self) -> list[FinishedGroup]:
+        done = []
+        while True:
+            try:
+                done.append(self._done.get_nowait())
+            except queue.Empty:
+                return done
+
+    def close(self) -> None:
+        """Cancel the groups still running and release the env's serving resources."""
+        if not self._serving.done():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._serving.result(30)
+            except Exception as e:  # noqa: BLE001 - an env's teardown may raise anything
+                log.warning("closing the environment raised %s: %s", type(e).__name__, e)
+
+    # -- on the episode loop ----------------------------------------------------------------
+    async def _serve(self) -> None:
+        try:
+            async with self.task.env.serving():
+                self._ready.set()
+                await self._stop.wait()
+                for running in list(self._running):
+                    running.cancel()
+                await asyncio.gather(*self._running, return_exceptions=True)
+        finally:
+            self._ready.set()  # a failed start is reported by the constructor
+
+    def _launch(self, group_id: str, vf_task: Any, n: int, ctx: Any) -> None:
+        running = self._loop.create_task(self._group(group_id, vf_task, n, ctx))
+        self._running.add(running)
+        running.add_done_callback(self._running.discard)
+
+    async def _group(self, group_id: str, vf_task: Any, n: int, ctx: Any) -> None:
+        env = self.task.env
+        gathered = asyncio.gather(*(env.run_slot(slot, ctx) for slot in env.slots(vf_task, n)))
+        # Cancelled (the runner closing, the group's deadline), a gather ends with the
+        # CancelledError as its exception: read it, or asyncio logs it as never retrieved.
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            episodes = await asyncio.wait_for(gathered, self.group_timeout_s)
+            finished = FinishedGroup(group_id, [self.sample(e, group_id) for e in episodes])
+        except EpisodeFailed as e:
+            finished = FinishedGroup(group_id, None, e.reason)
+            self._warn_once(e.reason, f"group {group_id} dropped ({e.reason}): {e}")
+        except asyncio.TimeoutError:
+            finished = FinishedGroup(group_id, None, "vf_timeout")
+            self._warn_once("vf_timeout", f"group {group_id} dropped: its episodes ran past "
+                            f"{self.group_timeout_s:.0f} s")
+        except Exception as e:  # noqa: BLE001 - an env's own code may raise anything
+            finished = FinishedGroup(group_id, None, "vf_error")
+            self._warn_once("vf_error", f"group {group_id} dropped: {type(e).__name__}: {e}")
+        self._done.put(finished)
+
+    def _warn_once(self, reason: str, message: str) -> None:
+        if reason not in self._warned:  # every one is counted (skipped_<reason>)
+            self._warned.add(reason)
+            log.warning("%s (further groups dropped for this reason are only counted)", message)
+
+    # -- a finished episode -> a sample ------------------------------------------------------
+    def sample(self, episode: Any, group_id: str) -> Sample:
+        """The sample of `episode`'s one trainable trace; EpisodeFailed if there is none."""
+        if episode.is_timeout:
+            raise EpisodeFailed("vf_timeout", _errors(episode.errors) or "past its deadline")
+        if not episode.ok:
+            raise EpisodeFailed("vf_error", _errors(episode.errors) or "episode not ok")
+        traces = [t for t in episode.traces if t.agent.trainable]
+        for trace in episode.traces:
+            if trace not in traces:
+                self.take_answers(trace.id)  # another role's answers: not trained
+        if len(traces) != 1:
+            raise EpisodeFailed("vf_trainable_traces", f"{len(traces)} trainable traces in an "
+                                "episode; pipelinerl trains envs with one trainable role")
+        trace = traces[0]
+        answers = self.take_answers(trace.id)
+        if trace.is_timeout:
+            raise EpisodeFailed("vf_timeout", f"stopped by {trace.stop_condition}")
+        if not trace.ok:
+            raise EpisodeFailed("vf_error", _errors(trace.errors) or str(trace.stop_condition))
+        branches = [b for b in trace.branches if b.trainable]
+        if len(branches) != 1:
+            raise EpisodeFailed("vf_branches", f"{len(branches)} trainable branches (the "
+                                "renderer re-rendered an earlier turn differently)")
+        branch = branches[0]
+        token_ids, mask = list(branch.token_ids), list(branch.sampled_mask)
+        if not any(mask):
+            raise EpisodeFailed("vf_no_tokens", f"no model token ({trace.stop_condition})")
+        logprobs, versions = _provenance(branch.nodes, answers)
+        first = mask.index(True)
+        completion_mask = mask[first:]
+        return Sample(
+            prompt_ids=token_ids[:first],
+            token_ids=token_ids[first:],
+            logprobs=logprobs[first:],
+            versions=versions[first:],
+            reward=float(trace.reward),
+            success=self.task.success(float(trace.reward)),
+            finish_reason="length" if trace.is_truncated else "stop",
+            group_id=group_id,
+            actor_id=self.actor_id,
+            model_mask=None if all(completion_mask) else completion_mask,
+            turns=sum(1 for n in branch.nodes if n.sampled),
+        )
+
+
+def open_episodes(cfg: Any, task: VerifiersTask, endpoint: GenerateEndpoint | None,
+                  tokenizer: Any, actor_id: int) -> EpisodeRunner:
+    """The runner of `task`'s episodes on `endpoint` (an actor's, or the evaluator's), as the
+    run's config says."""
+    from pipelinerl.generation import sampling_from_config
+
+    assert endpoint is not None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"task {task.name!r}: verifiers environments render chat messages, and "
+                         f"the model {endpoint.model!r} has no chat template")
+    return EpisodeRunner(task, endpoint_url=endpoint.url, model=endpoint.model,
+                         tokenizer_path=endpoint.model,  # the served model's directory
+                         sampling=sampling_from_config(cfg.engine, ()),
+                         take_answers=endpoint.take_session, actor_id=actor_id)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _episode_loop() -> asyncio.AbstractEventLoop:
+    """The process's episode loop, started on first use, running until the process ends."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, daemon=True, name="vf-episodes").start()
+        return _loop
+
+
+def _provenance(nodes: list[Any], answers: list[Answer]) -> tuple[list[float], list[int]]:
+    """Per token of the branch: the log-prob and version the engine sampled it with (0.0 and
+    ENV_VERSION where no policy sampled it). Each sampled node takes the next answer with its
+    tokens; one with none raises EpisodeFailed."""
+    logprobs: list[float] = []
+    versions: list[int] = []
+    pending = iter(answers)
+    for node in nodes:
+        sampled = [t for t, m in zip(node.token_ids, node.mask) if m]
+        answer = None
+        if sampled:
+            answer = next((a for a in pending if a.token_ids == sampled), None)
+            if answer is None:
+                raise EpisodeFailed("vf_unmatched", f"a sampled turn of {len(sampled)} tokens "
+                                    "matches no answer of the endpoint: its versions are unknown")
+        at = 0
+        for m in node.mask:
+            if m:
+                logprobs.append(answer.logprobs[at])
+                versions.append(answer.versions[at])
+                at += 1
+            else:
+                logprobs.append(0.0)
+                versions.append(ENV_VERSION)
+    return logprobs, versions
+
+
+def _errors(errors: list[Any]) -> str:
+    return "; ".join(f"{e.type}: {e.message}"[:300] for e in errors)

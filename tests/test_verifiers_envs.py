@@ -1,0 +1,282 @@
+"""Environments written for verifiers (0.4.0, installed): loaded by id, refused at start when
+they need what cannot run here, their episodes run against the actor's generate endpoint on a
+real engine, and their traces turned into samples whose tokens, log-probs and per-token
+versions are the engine's own. The model is tiny and random (a chat template, no hub)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from test_actor import make_actor, stop_after
+from test_endpoint import _Driver
+from test_prompts import instruct_tokenizer
+
+from pipelinerl.actor import Schedule
+from pipelinerl.endpoint import GenerateEndpoint
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
+from pipelinerl.models.hf import load_tokenizer
+from pipelinerl.tasks import make_task
+from pipelinerl.types import ENV_VERSION, GenerationOutput, SamplingParams
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # llama: verifiers' renderer loads the tokenizer with AutoTokenizer, which for a qwen2
+    # config picks Qwen2Tokenizer, whose byte-level splitting drops this char vocabulary's
+    # whitespace; for llama it keeps the tokenizer as saved.
+    # Its EOS is <|im_end|>, as in SmolLM2's or Qwen2.5-Instruct's tokenizer: verifiers stops a
+    # turn at the EOS and re-renders it closed by <|im_end|>; a turn that stopped at another
+    # token would not be a prefix of the next turn's prompt (a new branch).
+    out = instruct_tokenizer(tmp_path_factory.mktemp("chat"), arch="llama")
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    return out
+
+
+@pytest.fixture
+def in_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a user runs them: from the examples folder, which holds the env modules."""
+    monkeypatch.chdir(EXAMPLES)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+class Served:
+    """An engine serving its endpoint from a thread (the actor loop's part for it)."""
+
+    def __init__(self, model_dir: Path, capacity: int = 4) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = TorchEngine.from_pretrained(model_dir, capacity=capacity,
+                                                  max_seq_len=MAX_LEN, seed=3)
+        self.endpoint = GenerateEndpoint(model="chat", max_model_len=MAX_LEN,
+                                         vocab_size=len(self.tokenizer), default_max_tokens=16)
+        self.driver = _Driver(self.engine, self.endpoint)
+        self.model_dir = model_dir
+
+    def runner(self, task: Any, **sampling: Any) -> EpisodeRunner:
+        return EpisodeRunner(task, endpoint_url=self.endpoint.url, model="chat",
+                             tokenizer_path=str(self.model_dir),
+                             sampling=SamplingParams(**{"max_new_tokens": 12, **sampling}),
+                             take_answers=self.endpoint.take_session)
+
+    def close(self) -> None:
+        self.driver.stop()
+        self.endpoint.close()
+
+
+@pytest.fixture
+def served(chat_model: Path) -> Iterator[Served]:
+    s = Served(chat_model)
+    yield s
+    s.close()
+
+
+def _finish(runner: EpisodeRunner, timeout_s: float = 120) -> FinishedGroup:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = runner.poll()
+        if done:
+            return done[0]
+        time.sleep(0.02)
+    raise AssertionError("no group finished")
+
+
+def _engine_output(served: Served, token_ids: list[int]) -> GenerationOutput:
+    (out,) = [o for o in served.driver.outputs if o.token_ids == token_ids]
+    return out
+
+
+def test_single_turn_episodes_become_samples_with_the_engines_tokens_logprobs_and_versions(
+        served: Served, in_examples: None) -> None:
+    task = make_task("verifiers:vf_qa", {})
+    assert len(task.tasks) == 100 and task.name == "verifiers:vf_qa"
+    # A weight update lands between two decode steps, in the middle of the episodes.
+    hf = {k: v.clone() for k, v in served.engine.model.state_dict().items()}
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.items()}
+    served.driver.between[4] = lambda: served.engine.load_weights(new, version=1)
+    runner = served.runner(task)
+    try:
+        problem = task.problem(7)
+        runner.start("g0", problem, 3)
+        finished = _finish(runner)
+    finally:
+        runner.close()
+    assert finished.group_id == "g0" and finished.reason == "" and len(finished.samples) == 3
+    from vf_qa import final_answer
+
+    versions = set()
+    for s in finished.samples:
+        assert s.model_mask is None and s.turns == 1  # every token after the prompt is sampled
+        out = _engine_output(served, s.token_ids)
+        # What the trainer conditions on is what the engine did, token for token.
+        assert s.prompt_ids == out.prompt_ids and s.prompt_ids[0] == 1  # <|im_start|>
+        assert s.logprobs == out.logprobs and s.versions == out.versions  # exact, per token
+        versions |= set(s.versions)
+        text = served.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        assert s.reward == float(final_answer(text) == task.tasks[7].data.answer)
+        assert s.finish_reason == ("stop" if s.token_ids[-1] in (0, 2) else "length")
+    assert versions == {0, 1}  # the update reached tokens of these episodes
+    assert served.endpoint._sessions == {}  # every answer collected
+
+
+def test_multi_turn_episodes_mark_the_hosts_tokens_as_fed_never_trained(
+        served: Served, in_examples: None) -> None:
+    task = make_task("verifiers:vf_guess", {"games": 8})
+    runner = served.runner(task, max_new_tokens=6)
+    try:
+        runner.start("g1", task.problem(2), 2)
+        finished = _finish(runner)
+    finally:
+        runner.close()
+    assert finished.reason == "", finished
+    for s in finished.samples:
+        mask = s.model_mask
+        assert mask is not None and s.turns >= 2  # a random model rarely guesses at once
+        host = [t for t, m in zip(s.token_ids, mask) if not m]
+        assert "Guess again." in served.tokenizer.decode(host)
+        assert all(v == ENV_VERSION and lp == 0.0
+                   for v, lp, m in zip(s.versions, s.logprobs, mask) if not m)
+        # Each model turn is one engine output, with its log-probs and versions.
+        turns, run = [], []
+        for t, m in zip(s.token_ids, mask):
+            if m:
+                run.append(t)
+            elif run:
+                turns.append(run)
+                run = []
+        turns += [run] if run else []
+        assert len(turns) == s.turns
+        sampled_lp = [lp for lp, m in zip(s.logprobs, mask) if m]
+        assert sampled_lp == [lp for t in turns for lp in _engine_output(served, t).logprobs]
+
+
+def test_an_actor_publishes_whole_groups_of_episodes_under_admission(
+        served: Served, in_examples: None) -> None:
+    task = make_task("verifiers:vf_qa", {})
+    runner = served.runner(task)
+    served.driver.stop()  # the actor's own loop drives the engine and the endpoint now
+    schedule = Schedule(batch_size=4, group_size=2, max_lag=0)  # 2 groups may ever start
+    actor = make_actor(served.engine, task, schedule, endpoint=served.endpoint, episodes=runner,
+                       should_stop=stop_after(120), max_seq_len=MAX_LEN)
+    actor.run(max_groups=2)
+    groups = actor.writer.records
+    assert [len(g["samples"]) for g in groups] == [2, 2]
+    assert {g["group_id"] for g in groups} == {"a0-g0", "a0-g1"} and actor.claimed() == 2
+    for g in groups:
+        assert {s["group_id"] for s in g["samples"]} == {g["group_id"]}
+        assert g["prompt"] in {t.data.prompt for t in task.tasks}
+
+
+@pytest.mark.parametrize("env,params,reason", [
+    ("vf_raising", {}, "vf_error"),
+    ("vf_hanging", {"episode_timeout_s": 1}, "vf_timeout"),
+])
+def test_a_failing_environment_drops_its_group_counted(
+        served: Served, env: str, params: dict, reason: str) -> None:
+    task = make_task(f"verifiers:{env}", params)
+    runner = served.runner(task)
+    served.driver.stop()
+    schedule = Schedule(batch_size=2, group_size=2, max_lag=0)
+    actor = make_actor(served.engine, task, schedule, endpoint=served.endpoint, episodes=runner,
+                       should_stop=stop_after(8), max_seq_len=MAX_LEN)
+    actor.run()
+    assert actor.writer.records == [] or all(r.get("heartbeat") for r in actor.writer.records)
+    # One place may ever be used (max_lag 0, one group a step): a second group could start
+    # only because the first, dropped, gave its place back.
+    assert actor.stats.skipped[reason] >= 2
+
+
+@pytest.mark.parametrize("name,params,message", [
+    ("verifiers:", {}, "name the environment"),
+    ("verifiers:no_such_env", {}, "no_such_env"),
+    ("verifiers:vf_qa", {"nope": 1}, "nope"),
+    ("verifiers:vf_qa", {"env": {"agent": {"harness": {"id": "bash"}}}},
+     "harness 'bash', a program that needs uv"),
+    ("verifiers:vf_qa", {"env": {"agent": {"runtime": {"type": "docker"}}}}, "runtime 'docker'"),
+    ("verifiers:vf_qa", {"task": {"judges": [{"id": "reference"}]}}, "LLM judges"),
+    ("verifiers:vf_qa", {"env": {"id": "agentic-judge"}}, "verifiers:vf_qa"),
+    ("verifiers:vf_qa", {"episode_timeout_s": 0}, "episode_timeout_s"),
+])
+def test_bad_names_params_and_environments_are_refused_at_start_naming_why(
+        in_examples: None, name: str, params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")) as err:
+        make_task(name, params)
+    assert str(err.value).startswith(f"task {name!r}")
+
+
+def test_held_out_evaluation_runs_episodes_on_one_version_and_counts_every_attempt(
+        chat_model: Path, in_examples: None) -> None:
+    from pipelinerl.config import load_config
+    from pipelinerl.evaluation import build_eval_setup
+
+    cfg = load_config(None, [
+        f"model.path={chat_model}", "task.name=verifiers:vf_qa", "task.heldout_frac=0.2",
+        "eval.num_problems=4", "eval.samples=2", "eval.temperature=1.0",
+        "engine.max_seq_len=512", "engine.max_new_tokens=12", "engine.capacity=4",
+        "actor.group_size=2", "trainer.batch_size=4"])
+    setup, engine = build_eval_setup(cfg, str(chat_model))
+    try:
+        assert setup.scorer is None and len(setup.problems) == 4
+        metrics = setup.run(engine)
+    finally:
+        setup.close()
+    assert metrics["eval/num_problems"] == 4
+    assert metrics["eval/greedy/verifier_failures"] == metrics["eval/sampled/verifier_failures"] == 0
+    assert 0 <= metrics["eval/greedy"] <= 1 and 0 <= metrics["eval/sampled/pass@1"] <= 1
+    assert metrics["eval/greedy/completion_len"] > 0
+
+
+def _cli(tmp_path: Path, config: str, *overrides: str, timeout: float = 900
+         ) -> subprocess.CompletedProcess:
+    """`pipelinerl train` from the examples folder, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "pipelinerl.cli", "train", config, f"output_dir={tmp_path}",
+         "metrics.progress=false", "metrics.plot=false", *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,extra", [
+    ("vf_qa.yaml", ()),
+    # Two turns, short ones: the multi-turn path in a CI's budget.
+    ("vf_guess.yaml", ("task.params.games=40", "task.params.env.player.max_turns=2",
+                       "engine.max_new_tokens=8")),
+])
+def test_examples_train_and_evaluate_smollm2_through_the_cli(
+        tmp_path: Path, config: str, extra: tuple[str, ...]) -> None:
+    from pipelinerl.models.sources import prepare
+
+    prepare("smollm2")
+    proc = _cli(tmp_path, config, "name=vf", "trainer.max_steps=3", "trainer.max_time_s=0",
+                "trainer.batch_size=8", "actor.group_size=4", "engine.capacity=8",
+                "actor.drop_zero_variance=false", "eval.num_problems=8", "eval.samples=2",
+                *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "vf"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    evals = {r["eval/version"]: r for r in rows if "eval/version" in r}
+    assert {0, 3} <= set(evals)
+    assert all(r["eval/greedy/verifier_failures"] == 0 for r in evals.values())
+    audit = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "audit", str(run_dir)],
+                           capture_output=True, text=True, timeout=120)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+
+
+@pytest.mark.slow
+def test_an_environment_that_cannot_run_here_is_refused_by_the_cli_in_one_line(
+        tmp_path: Path) -> None:
+    proc = _cli(tmp_path, "vf_qa.yaml", "task.params.env.agent.harness.id=bash", timeout=300)
+    assert proc.returncode != 0 and not (tmp_path / "smollm2-vf-qa").exists()
+    assert "harness 'bash', a program that needs uv" in proc.stderr
+    assert "Traceback" not in proc.stderr
