@@ -268,6 +268,9 @@ def test_examples_train_and_evaluate_smollm2_through_the_cli(
     evals = {r["eval/version"]: r for r in rows if "eval/version" in r}
     assert {0, 3} <= set(evals)
     assert all(r["eval/greedy/verifier_failures"] == 0 for r in evals.values())
+    for log in ("actor_0.log", "evaluator.log"):  # no INFO line per model call
+        text = (run_dir / "logs" / log).read_text()
+        assert "rollout start" not in text and "HTTP Request" not in text, log
     audit = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "audit", str(run_dir)],
                            capture_output=True, text=True, timeout=120)
     assert audit.returncode == 0, audit.stdout + audit.stderr

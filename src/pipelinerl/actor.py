@@ -279,7 +279,7 @@ class Actor:
                            "claimed": self.claimed(), "limit": self.schedule.limit(self.engine.version),
                            "returned": self.returned(), "waiting_for_weights": self.needs_weights,
                            # Episodes between two model calls hold no engine request.
-                           "blocked": self.in_flight == 0 and not (self.episodes and self._groups),
+                           "blocked": self.in_flight == 0 and not self._episodes_running(),
                            "seq": self.published,
                            "generation": self._generation, "data_pos": self.data_pos()})
 
@@ -350,6 +350,9 @@ class Actor:
                     f"{self.max_seq_len} - engine.max_new_tokens={self.sampling.max_new_tokens}): "
                     "raise engine.max_seq_len or lower engine.max_new_tokens"
                 )
+
+    def _episodes_running(self) -> bool:
+        return self.episodes is not None and bool(self._groups)
 
     def _room_for_a_group(self) -> bool:
         if self.episodes is not None:
