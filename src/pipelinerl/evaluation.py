@@ -133,9 +133,7 @@ def evaluate(
             rollouts.pool.wait(POLL_S)  # every sequence waits for its environment
         finished: list[GenerationOutput | Transcript] = []
         for out in engine.step():
-            if any(v != version for v in out.versions):
-                raise RuntimeError(f"evaluation of version {version} got tokens of versions "
-                                   f"{sorted(set(out.versions))}: the weights changed mid-pass")
+            _check_version(out, version)
             if rollouts is None:
                 finished.append(out)
             elif (transcript := rollouts.on_turn(out)) is not None:
@@ -161,12 +159,7 @@ def evaluate(
         scorer.wait(POLL_S)
         unscored -= _collect(scorer, tallies, modes)
         between_steps()
-    out: dict[str, float] = {}
-    for mode, tally in zip(modes, tallies):
-        out.update(tally.metrics(mode.name, len(problems)))
-    out[f"{EVAL_PREFIX}num_problems"] = float(len(problems))
-    out[f"{EVAL_PREFIX}duration_s"] = time.monotonic() - t0
-    return out
+    return _metrics(modes, tallies, len(problems), t0)
 
 
 def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: EpisodeRunner,
@@ -188,9 +181,7 @@ def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: Episod
         if not engine.num_active():
             time.sleep(0.005)  # every episode is between two model calls
         for out in engine.step() if engine.num_active() else ():
-            if any(v != version for v in out.versions):
-                raise RuntimeError(f"evaluation of version {version} got tokens of versions "
-                                   f"{sorted(set(out.versions))}: the weights changed mid-pass")
+            _check_version(out, version)
             endpoint.finish(out)
         for finished in runner.poll():
             m, i = (int(x) for x in finished.group_id.split("|"))
@@ -201,10 +192,21 @@ def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: Episod
             tallies[m].count(finished.samples)
             tallies[m].solved[i] = sum(s.success for s in finished.samples)
         between_steps()
+    return _metrics(modes, tallies, len(problems), t0)
+
+
+def _check_version(out: GenerationOutput, version: int) -> None:
+    if any(v != version for v in out.versions):
+        raise RuntimeError(f"evaluation of version {version} got tokens of versions "
+                           f"{sorted(set(out.versions))}: the weights changed mid-pass")
+
+
+def _metrics(modes: list[EvalMode], tallies: list[_Tally], n_problems: int, t0: float
+             ) -> dict[str, float]:
     out: dict[str, float] = {}
     for mode, tally in zip(modes, tallies):
-        out.update(tally.metrics(mode.name, len(problems)))
-    out[f"{EVAL_PREFIX}num_problems"] = float(len(problems))
+        out.update(tally.metrics(mode.name, n_problems))
+    out[f"{EVAL_PREFIX}num_problems"] = float(n_problems)
     out[f"{EVAL_PREFIX}duration_s"] = time.monotonic() - t0
     return out
 

@@ -10,6 +10,7 @@ import random
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from pipelinerl.envs.verifiers.loading import PREFIX as VERIFIERS
 from pipelinerl.tasks.environment import check_environment, is_environment
 from pipelinerl.plugins import import_object
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
@@ -48,7 +49,6 @@ class DemonstrationTask(Task, Protocol):
 
 
 ENTRY_POINT_GROUP = "pipelinerl.tasks"
-VERIFIERS_PREFIX = "verifiers:"  # an environment written for verifiers (pipelinerl.envs.verifiers)
 
 
 def task_class(name: str) -> Any:
@@ -98,7 +98,7 @@ def check_task(task: Any, name: str) -> None:
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
     """Build the task `name` names (see `task_class`); an unknown name, an import that fails,
     unknown or missing params and bad values fail with the task and the param named."""
-    if name.startswith(VERIFIERS_PREFIX):
+    if name.startswith(VERIFIERS):
         task = _verifiers_task(name, dict(params or {}))
         check_task(task, name)
         return task
@@ -130,7 +130,7 @@ def _verifiers_task(name: str, params: dict[str, Any]) -> Task:
     """`verifiers:<taskset id>`: an environment written for verifiers (docs/environments.md)."""
     from pipelinerl.envs.verifiers.task import VerifiersTask
 
-    taskset_id = name[len(VERIFIERS_PREFIX):]
+    taskset_id = name[len(VERIFIERS):]
     if not taskset_id:
         raise ValueError(f"task {name!r}: name the environment, verifiers:<taskset id>")
     try:

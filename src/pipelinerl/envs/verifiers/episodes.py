@@ -143,7 +143,10 @@ class EpisodeRunner:
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             episodes = await asyncio.wait_for(gathered, self.group_timeout_s)
-            finished = FinishedGroup(group_id, [self.sample(e, group_id) for e in episodes])
+            # Every trace's answers, trained or not, so that the endpoint keeps none.
+            answers = {t.id: self.take_answers(t.id) for e in episodes for t in e.traces}
+            finished = FinishedGroup(group_id,
+                                     [self.sample(e, group_id, answers) for e in episodes])
         except EpisodeFailed as e:
             finished = FinishedGroup(group_id, None, e.reason)
             self._warn_once(e.reason, f"group {group_id} dropped ({e.reason}): {e}")
@@ -162,21 +165,18 @@ class EpisodeRunner:
             log.warning("%s (further groups dropped for this reason are only counted)", message)
 
     # -- a finished episode -> a sample ------------------------------------------------------
-    def sample(self, episode: Any, group_id: str) -> Sample:
-        """The sample of `episode`'s one trainable trace; EpisodeFailed if there is none."""
+    def sample(self, episode: Any, group_id: str, answers: dict[str, list[Answer]]) -> Sample:
+        """The sample of `episode`'s one trainable trace (`answers`: the endpoint's, by trace
+        id); EpisodeFailed if there is none."""
         if episode.is_timeout:
             raise EpisodeFailed("vf_timeout", _errors(episode.errors) or "past its deadline")
         if not episode.ok:
             raise EpisodeFailed("vf_error", _errors(episode.errors) or "episode not ok")
         traces = [t for t in episode.traces if t.agent.trainable]
-        for trace in episode.traces:
-            if trace not in traces:
-                self.take_answers(trace.id)  # another role's answers: not trained
         if len(traces) != 1:
             raise EpisodeFailed("vf_trainable_traces", f"{len(traces)} trainable traces in an "
                                 "episode; pipelinerl trains envs with one trainable role")
         trace = traces[0]
-        answers = self.take_answers(trace.id)
         if trace.is_timeout:
             raise EpisodeFailed("vf_timeout", f"stopped by {trace.stop_condition}")
         if not trace.ok:
@@ -189,7 +189,7 @@ class EpisodeRunner:
         token_ids, mask = list(branch.token_ids), list(branch.sampled_mask)
         if not any(mask):
             raise EpisodeFailed("vf_no_tokens", f"no model token ({trace.stop_condition})")
-        logprobs, versions = _provenance(branch.nodes, answers)
+        logprobs, versions = _provenance(branch.nodes, answers[trace.id])
         first = mask.index(True)
         completion_mask = mask[first:]
         return Sample(
