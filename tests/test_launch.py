@@ -96,7 +96,7 @@ def test_fake_roles_launcher_exits_promptly_after_sigint_at_random_moments(tmp_p
     fake_python.write_text(f'#!/bin/sh\nexec {sys.executable} {fake_role} "$@"\n')
     fake_python.chmod(0o755)
     rng = random.Random(13)
-    for trial in range(15):
+    for trial in range(2 * len(_PHASES)):  # each phase twice
         phase = list(_PHASES)[trial % len(_PHASES)]
         pattern, jitter, bound_s = _PHASES[phase]
         # A third of the trials press Ctrl-C twice, with roles whose cleanup would otherwise
