@@ -11,7 +11,8 @@ from pipelinerl.metrics.logger import MetricsLogger, read_metrics, scalars
 from pipelinerl.metrics.plot import panel_figure, plot_run
 
 TITLES = ["success", "ESS and entropy", "lag (steps)", "mismatch and KL(mu||pi)",
-          "throughput (tokens/s)", "clipped and truncated"]
+          "throughput (tokens/s)", "clipped and truncated", "engine slots and trainer idle",
+          "lag by completion length (tokens)"]
 
 
 def _records(heldout: bool) -> list[dict[str, Any]]:
@@ -23,9 +24,15 @@ def _records(heldout: bool) -> list[dict[str, Any]]:
             "mismatch_abs": 0.01, "mismatch_abs_lag0": 0.001, "mismatch_k3": 0.002,
             "kl_k1": 0.003, "trainer_tokens_per_s": 900.0, "clip_frac": 0.0,
             "completion_truncated_frac": 0.2, "lag_hist": {"0": 10, "1": 20},
+            "trainer_wait_frac": 0.3, "trainer_idle_frac": 0.1 * step,
+            # long completions only from the third step on
+            "by_length": {"1-31": {"sequences": 4, "tokens": 40, "ess": 1.0, "lag_mean": 0.5},
+                          **({"128-255": {"sequences": 1, "tokens": 200, "ess": 0.9,
+                                          "lag_mean": 2.0 + step}} if step > 2 else {})},
         }
         if step > 1:  # actor stats come from the second step on
             r["actor_tokens_per_s"] = 1800.0
+            r["actor_slot_occupancy"], r["actor_slot_time_frac"] = 0.9, 0.6
         out.append(r)
     if heldout:
         # The evaluator's results: records of their own, logged after later steps, at the
@@ -62,6 +69,14 @@ def test_panel_has_the_expected_subplots_and_curves() -> None:
     assert (actor.get_label(), list(actor.get_xdata())) == ("actor", [4.0, 6.0, 8.0, 10.0])
     assert trainer.get_label() == "trainer"
     assert _labels(titled["lag (steps)"]) == ["mean", "max"]
+    assert _labels(titled["engine slots and trainer idle"]) == [
+        "slots decoding per engine step", "slot-seconds decoding", "trainer idle (since start)",
+        "trainer idle (since last step)"]
+    # one curve per length bin seen, shortest first, each at the steps that had the bin
+    short, long_ = titled["lag by completion length (tokens)"].get_lines()
+    assert (short.get_label(), list(short.get_ydata())) == ("1-31", [0.5] * 5)
+    assert (long_.get_label(), list(long_.get_xdata())) == ("128-255", [6.0, 8.0, 10.0])
+    assert list(long_.get_ydata()) == [5.0, 6.0, 7.0]
     assert [ax.get_xlabel() for ax in fig.axes if ax.get_xlabel()] == ["wall-clock (s)"] * 2
 
 
@@ -97,5 +112,7 @@ def test_lag_histogram_to_jsonl_as_dict_and_to_tensorboard_as_scalars_with_fake_
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["lag_hist"]["2"] == 7
 
 
-def test_scalars_flattens_one_level() -> None:
+def test_scalars_flattens_every_level() -> None:
     assert scalars({"a": 1, "h": {"0": 2, "1": 3}}) == {"a": 1, "h/0": 2, "h/1": 3}
+    assert scalars({"by_length": {"1-31": {"ess": 0.9, "lag_mean": 1.0}}}) == {
+        "by_length/1-31/ess": 0.9, "by_length/1-31/lag_mean": 1.0}

@@ -353,9 +353,17 @@ def _reduce_rank(rank: int, world: int) -> tuple[dict, dict]:
 
     stats = LossStats()
     new, old, ver, ent = _two_rank_tokens()[rank]
-    stats.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent)
+    bins = _two_rank_bins()[rank]
+    stats.count_sequences(bins.unique())
+    stats.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent,
+              bins=bins)
     out, totals = _reduce(stats, {"loss": float(rank + 1)}, torch.device("cpu"))
     return out.finalize(), totals
+
+
+def _two_rank_bins() -> list[torch.Tensor]:
+    """Per rank, each token's length bin: a bin on one rank only, one on both."""
+    return [torch.tensor([0, 0, 2]), torch.tensor([5, 0])]
 
 
 def _two_rank_tokens() -> list[tuple[torch.Tensor, ...]]:
@@ -371,17 +379,55 @@ def _two_rank_tokens() -> list[tuple[torch.Tensor, ...]]:
 def test_reduce_over_two_ranks_equals_one_rank_with_all_tokens() -> None:
     results = run_ranks(2, _reduce_rank)
     whole = LossStats()
-    for new, old, ver, ent in _two_rank_tokens():
-        whole.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent)
+    for (new, old, ver, ent), bins in zip(_two_rank_tokens(), _two_rank_bins()):
+        whole.count_sequences(bins.unique())
+        whole.add(new, old, torch.tensor([1.0, -1.0, 0.5])[: len(new)], ver, 5, entropy=ent,
+                  bins=bins)
     expected = whole.finalize()
     assert expected["lag_hist"] == {"-1": 1, "0": 1, "1": 2, "3": 1}
+    assert {k: v["sequences"] for k, v in expected["by_length"].items()} == {
+        "1-31": 2, "64-127": 1, "512+": 1}
     for stats, totals in results:
         assert totals == {"loss": 3.0}
         assert stats["lag_hist"] == expected["lag_hist"]
         assert set(stats) == set(expected)
+        assert set(stats["by_length"]) == set(expected["by_length"])
+        for label, values in expected["by_length"].items():
+            for key, value in values.items():
+                close(stats["by_length"][label][key], value, tol=1e-6)
         for key, value in expected.items():
-            if key != "lag_hist":
+            if key not in ("lag_hist", "by_length"):
                 close(stats[key], value, tol=1e-6)
+
+
+def test_by_length_metrics_equal_the_step_metrics_of_each_bins_tokens_alone() -> None:
+    from pipelinerl.rl.losses import length_bins
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([3, 40, 40, 300, 700])  # bins 1-31, 32-63 (two), 256-511, 512+
+    seq = torch.repeat_interleave(torch.arange(5), lengths)
+    bins = length_bins(lengths)
+    assert bins.tolist() == [0, 1, 1, 4, 5]
+    new, old = torch.randn(len(seq)) * 0.1, torch.randn(len(seq)) * 0.1
+    versions = 9 - seq  # lag = the sequence's index, trainer at 9
+    mask = torch.rand(len(seq)) > 0.2
+    stats = LossStats()
+    stats.count_sequences(bins)
+    half = len(seq) // 2  # two micro-batches
+    for part in (slice(0, half), slice(half, None)):
+        stats.add(new[part], old[part], torch.ones(len(seq))[part], versions[part], 9,
+                  mask=mask[part], bins=bins[seq][part])
+    by_length = stats.finalize()["by_length"]
+    assert list(by_length) == ["1-31", "32-63", "256-511", "512+"]
+    for b, label in ((0, "1-31"), (1, "32-63"), (4, "256-511"), (5, "512+")):
+        alone = LossStats()
+        keep = mask & (bins[seq] == b)
+        alone.add(new[keep], old[keep], torch.ones(int(keep.sum())), versions[keep], 9)
+        m = alone.finalize()
+        assert by_length[label]["sequences"] == (bins == b).sum()
+        assert by_length[label]["tokens"] == keep.sum()
+        close(by_length[label]["ess"], m["ess"], tol=1e-9)
+        close(by_length[label]["lag_mean"], m["lag_mean"], tol=1e-9)
 
 
 def test_completion_stats_truncated_fraction() -> None:
@@ -446,3 +492,6 @@ def test_rl_step_reports_entropy_kl_and_lag_histogram_with_fake_model() -> None:
     close(m["kl_k1"], -0.1, tol=1e-6)
     close(m["mismatch_k3"], math.exp(0.1) - 1.1, tol=1e-6)
     assert m["lag_hist"] == {"0": 2, "1": 2}
+    # both completions of 2 tokens; log rho = 0.1 on every token: equal weights, ESS 1
+    assert m["by_length"] == {"1-31": {"sequences": 2.0, "tokens": 4.0,
+                                       "ess": pytest.approx(1.0), "lag_mean": 0.5}}

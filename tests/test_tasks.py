@@ -152,6 +152,28 @@ def test_make_task_bad_params(params: dict, needle: str) -> None:
     assert "arithmetic" in str(info.value)
 
 
+def test_harmonic_term_weights_give_the_long_chains_example_its_long_tail() -> None:
+    """examples/long_chains.yaml: worked solutions (what a solved completion is, EOS included)
+    of mean >= 100 tokens, p95 / median >= 3 and max / min >= 10 (issue 24's workload)."""
+    from pathlib import Path
+
+    from pipelinerl.config import load_config
+
+    cfg = load_config(Path(__file__).parent.parent / "examples" / "long_chains.yaml")
+    task = make_task(cfg.task.name, cfg.task.params)
+    weights = task.term_weights  # k = n_terms - 1 steps, weight 1/k
+    assert weights[0] / weights[9] == pytest.approx(10.0)
+    rng = random.Random(0)
+    lengths = sorted(len(task.demonstration(task.sample_problem(rng), rng)) + 1
+                     for _ in range(5000))
+    median, p95 = lengths[len(lengths) // 2], lengths[int(0.95 * len(lengths))]
+    assert statistics.fmean(lengths) >= 100 and p95 / median >= 3
+    assert lengths[-1] / lengths[0] >= 10
+    assert lengths[-1] <= cfg.engine.max_new_tokens
+    with pytest.raises(ValueError, match="term_weights.*harmonic"):
+        make_task("arithmetic", {"term_weights": "zipf"})
+
+
 def test_make_task_known_and_unknown() -> None:
     task = make_task("arithmetic", {"max_terms": 4, "term_weights": [3, 2, 1]})
     assert isinstance(task, ChainArithmeticTask) and task.max_terms == 4

@@ -94,6 +94,10 @@ class ActorStats:
     started_at: float = field(default_factory=time.monotonic)
     generated_tokens: int = 0
     idle_s: float = 0.0
+    # Slot occupancy: sequences decoded per step, summed over steps and over their seconds.
+    decode_steps: int = 0
+    busy_slot_steps: int = 0
+    busy_slot_s: float = 0.0
     weight_updates: int = 0
     last_update_pause_s: float = 0.0
     total_update_pause_s: float = 0.0
@@ -106,11 +110,22 @@ class ActorStats:
         if len(self.skipped_ids[reason]) < MAX_SKIPPED_IDS:
             self.skipped_ids[reason].add(problem_id)
 
-    def snapshot(self, version: int) -> dict[str, float]:
+    def count_step(self, decoded: int, seconds: float) -> None:
+        """One engine step that decoded `decoded` sequences in `seconds`."""
+        self.decode_steps += 1
+        self.busy_slot_steps += decoded
+        self.busy_slot_s += decoded * seconds
+
+    def snapshot(self, version: int, capacity: int) -> dict[str, float]:
         elapsed = max(time.monotonic() - self.started_at, 1e-9)
         return {
             "tokens_per_s": self.generated_tokens / elapsed,
             "idle_frac": self.idle_s / elapsed,
+            # Of the slots the engine's steps could have decoded, the share they did (a
+            # draining batch lowers it); and of capacity x wall-clock, the share busy decoding
+            # (lowered too by time with no step: waiting for weights, scoring, admission).
+            "slot_occupancy": self.busy_slot_steps / max(capacity * self.decode_steps, 1),
+            "slot_time_frac": self.busy_slot_s / (capacity * elapsed),
             "weight_updates": self.weight_updates,
             "last_update_pause_s": self.last_update_pause_s,
             "mean_update_pause_s": self.total_update_pause_s / max(self.weight_updates, 1),
@@ -247,7 +262,10 @@ class Actor:
                     self.rollouts.pool.wait(0.005)
                     self.stats.idle_s += time.monotonic() - t0
                     continue
-                for out in self.engine.step():
+                t0 = time.monotonic()
+                outs = self.engine.step()
+                self.stats.count_step(self.engine.num_running() + len(outs), time.monotonic() - t0)
+                for out in outs:
                     self.on_finished(out)
         finally:
             if self.scorer is not None:
@@ -261,7 +279,7 @@ class Actor:
             self._log_skips()
 
     def snapshot(self) -> dict[str, float]:
-        stats = self.stats.snapshot(self.engine.version)
+        stats = self.stats.snapshot(self.engine.version, self.engine.capacity)
         if self.rollouts is not None:
             elapsed = time.monotonic() - self.stats.started_at
             stats.update(self.rollouts.stats.snapshot(elapsed, self.engine.capacity))

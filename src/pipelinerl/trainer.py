@@ -273,6 +273,7 @@ class Trainer:
         self.tokens_trained = 0
         self.success_ema: float | None = None
         self.published_version = 0  # version 0 is the model every role starts from
+        self.last_record = (0.0, 0.0)  # (elapsed s, stream wait s) at the previous step record
 
     # -- checkpoints (pipelinerl.checkpoint) ------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -318,6 +319,7 @@ class Trainer:
             if state["source"] is not None:
                 self.source.restore(state["source"])
             self.source.returned_changed = True  # the new attempt's actors learn it at once
+            self.last_record = (state["elapsed_s"], self.source.wait_s)
             resumes = record_resume(self.cfg.run_dir, self.cfg.attempt, self.step)
             self.source.valid_upto = valid_upto(resumes)
 
@@ -392,11 +394,16 @@ class Trainer:
             **completion_stats(samples),
             "trainer_tokens_per_s": self.tokens_trained / max(self.compute_s, 1e-9),
             "trainer_wait_frac": self.source.wait_s / max(elapsed, 1e-9),
+            # Since the previous step: a conventional round's first step waits for the whole
+            # round's generation, the pipeline's steps for a batch's worth of groups.
+            "trainer_idle_frac": (self.source.wait_s - self.last_record[1])
+            / max(elapsed - self.last_record[0], 1e-9),
             "publish_s": self.publish_s,
             **{f"dropped_{k}": v for k, v in self.source.dropped.items()},
             **metrics,
         }
         record.update(_aggregate_actor_stats(self.source.actor_stats))
+        self.last_record = (elapsed, self.source.wait_s)
         return record
 
 

@@ -392,9 +392,13 @@ def success_rate(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> float:
-    """Fraction of `problems` solved by `sample_completions` at `temperature`."""
+    """Fraction of `problems` solved by `sample_completions` at `temperature`, with room
+    for the longest worked solution of `problems` (long chains run to hundreds of tokens)."""
+    rng = random.Random(0)
+    longest = max(len(tokenizer.encode(task.demonstration(p, rng, 0.0))) for p in problems)
     completions = sample_completions(
-        model, tokenizer, [p.prompt for p in problems], temperature, seed=seed
+        model, tokenizer, [p.prompt for p in problems], temperature,
+        max_new_tokens=max(96, longest + 16), seed=seed,
     )
     solved = sum(task.score(p, c).success for p, c in zip(problems, completions, strict=True))
     return solved / len(problems)

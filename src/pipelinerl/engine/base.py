@@ -40,6 +40,11 @@ class Engine(Protocol):
 
     def num_active(self) -> int: ...
 
+    def num_running(self) -> int:
+        """Sequences that the next `step()` decodes, parked ones not counted (slot
+        occupancy: docs/learning_speed.md)."""
+        ...
+
     def step(self) -> list[GenerationOutput]:
         """Run one decode step over all active sequences; return those that finished."""
         ...

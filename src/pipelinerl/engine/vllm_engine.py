@@ -229,6 +229,9 @@ class VllmEngine:
     def num_active(self) -> int:
         return len(self._active) + len(self._held)
 
+    def num_running(self) -> int:
+        return len(self._active)
+
     def add_request(self, request: GenerationRequest) -> None:
         params = request.params
         prompt = request.prompt_ids

@@ -117,12 +117,13 @@ def _clean(value: Any) -> Any:
 
 
 def scalars(record: dict[str, Any]) -> dict[str, Any]:
-    """One level of nesting flattened to `key/sub` names (e.g. `lag_hist/2`, the tokens of lag
-    2): the scalar names TensorBoard and W&B get, which group them under `key`."""
+    """Nesting flattened to `key/sub` names (e.g. `lag_hist/2`, the tokens of lag 2;
+    `by_length/64-127/ess`): the scalar names TensorBoard and W&B get, which group them under
+    `key`."""
     flat: dict[str, Any] = {}
     for key, value in record.items():
         if isinstance(value, dict):
-            flat.update({f"{key}/{sub}": v for sub, v in value.items()})
+            flat.update({f"{key}/{sub}": v for sub, v in scalars(value).items()})
         else:
             flat[key] = value
     return flat

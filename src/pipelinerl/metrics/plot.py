@@ -20,6 +20,8 @@ PANELS = (
     "mismatch and KL(mu||pi)",
     "throughput (tokens/s)",
     "clipped and truncated",
+    "engine slots and trainer idle",
+    "lag by completion length (tokens)",
 )
 
 
@@ -29,6 +31,12 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     pts = sorted((r["time_s"], r[key]) for r in records
                  if r.get(key) is not None and r.get("time_s") is not None)
     return [t for t, _ in pts], [v for _, v in pts]
+
+
+def _by_length(records: list[dict[str, Any]], label: str, field: str) -> list[dict[str, Any]]:
+    """Records of `field` of length bin `label` (the step's `by_length`), as flat records."""
+    return [{"time_s": r.get("time_s"), field: b[label][field]} for r in records
+            if label in (b := r.get("by_length") or {})]
 
 
 def _plot(ax: Axes, records: list[dict[str, Any]], key: str, label: str, **style: Any) -> bool:
@@ -86,10 +94,33 @@ def _clipped(ax: Axes, records: list[dict[str, Any]]) -> None:
     ax.legend(loc="upper right", fontsize="small")
 
 
+def _utilisation(ax: Axes, records: list[dict[str, Any]]) -> None:
+    _plot(ax, records, "actor_slot_occupancy", "slots decoding per engine step")
+    _plot(ax, records, "actor_slot_time_frac", "slot-seconds decoding")
+    _plot(ax, records, "trainer_wait_frac", "trainer idle (since start)")
+    _plot(ax, records, "trainer_idle_frac", "trainer idle (since last step)", alpha=0.35)
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="lower right", fontsize="small")
+
+
+def _length_labels(records: list[dict[str, Any]]) -> list[str]:
+    """The length bins of the records' `by_length` ("1-31", ..., "512+"), shortest first."""
+    labels = {label for r in records for label in r.get("by_length") or {}}
+    return sorted(labels, key=lambda label: int(label.split("-")[0].rstrip("+")))
+
+
+def _lag_by_length(ax: Axes, records: list[dict[str, Any]]) -> None:
+    for label in _length_labels(records):
+        _plot(ax, _by_length(records, label, "lag_mean"), "lag_mean", label)
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize="small", ncol=2)
+
+
 def panel_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
     """The panel of a run's metrics.jsonl records: one subplot per entry of `PANELS`."""
-    fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
-    draw = (_success, _ess_entropy, _lag, _mismatch_kl, _throughput, _clipped)
+    fig, axes = plt.subplots(4, 2, figsize=(11, 12), sharex=True)
+    draw = (_success, _ess_entropy, _lag, _mismatch_kl, _throughput, _clipped, _utilisation,
+            _lag_by_length)
     for ax, name, fn in zip(axes.flat, PANELS, draw):
         fn(ax, records)
         ax.set_title(name)

@@ -41,7 +41,7 @@ PRESETS: dict[str, Preset] = {
     # ~10M parameters: the "medium" CPU setting.
     "small": Preset(384, 6, 6, 2, 1152),
 }
-MAX_POSITIONS = 256
+MAX_POSITIONS = 1024
 
 
 def build_char_tokenizer(alphabet: str, out_dir: str | Path) -> PreTrainedTokenizerFast:

@@ -21,6 +21,18 @@ from torch import Tensor
 # (rho, advantages) -> bool mask of the tokens whose clipped term is the active one.
 ClipActive = Callable[[Tensor, Tensor], Tensor]
 
+# Completion-length bins of the by-length metrics (tokens): [1, 32), [32, 64), ..., [512, inf).
+# Fixed, so that runs and modes compare bin by bin.
+LENGTH_EDGES = (32, 64, 128, 256, 512)
+LENGTH_LABELS = ("1-31", "32-63", "64-127", "128-255", "256-511", "512+")
+# Per bin: sequences, tokens, sum of rho, sum of rho^2, sum of lag.
+_BIN_FIELDS = 5
+
+
+def length_bins(lengths: Tensor) -> Tensor:
+    """The bin (index into LENGTH_LABELS) of each completion length."""
+    return torch.bucketize(lengths, torch.tensor(LENGTH_EDGES, device=lengths.device), right=True)
+
 
 def _masked_sum(x: Tensor, mask: Tensor | None) -> Tensor:
     # where() rather than multiply, so a non-finite value on a masked-out token cannot leak.
@@ -152,6 +164,13 @@ class LossStats:
     entropy_tokens: int = 0
     sum_entropy: float = 0.0
     lag_counts: dict[int, int] = field(default_factory=dict)  # lag -> trained tokens
+    # (bin, field) sums by the completion length of the token's sequence (_BIN_FIELDS)
+    by_length: Tensor = field(
+        default_factory=lambda: torch.zeros(len(LENGTH_LABELS), _BIN_FIELDS, dtype=torch.float64))
+
+    def count_sequences(self, bins: Tensor) -> None:
+        """Add sequences of the given length bins (`length_bins`)."""
+        self.by_length[:, 0] += torch.bincount(bins.cpu(), minlength=len(LENGTH_LABELS))
 
     @torch.no_grad()
     def add(
@@ -165,8 +184,11 @@ class LossStats:
         mask: Tensor | None = None,
         entropy: Tensor | None = None,
         context_versions: Tensor | None = None,
+        bins: Tensor | None = None,
     ) -> None:
         """Accumulate one micro-batch.
+
+        bins: per token, the length bin of its sequence (`length_bins`), for `by_length`.
 
         context_versions: per token, the oldest version whose weights computed part of its
         context (`PackedBatch.context_versions`); the lag-0 mismatch counts only tokens whose
@@ -184,6 +206,7 @@ class LossStats:
         if mask is not None:
             new, old, ver, adv, ctx = new[mask], old[mask], ver[mask], adv[mask], ctx[mask]
             ent = None if ent is None else ent[mask]
+            bins = None if bins is None else bins[mask]
         if new.numel() == 0:
             return
         log_ratio = new - old
@@ -212,6 +235,9 @@ class LossStats:
         if ent is not None:
             self.entropy_tokens += ent.numel()
             self.sum_entropy += ent.sum().item()
+        if bins is not None:
+            sums = torch.stack([torch.ones_like(rho), rho, rho.square(), lag.double()], dim=1)
+            self.by_length[:, 1:].index_add_(0, bins.cpu(), sums.cpu())
 
     def finalize(self) -> dict[str, Any]:
         """Metrics of the step; the lag-0 mismatch keys are absent when no token had lag 0.
@@ -241,4 +267,14 @@ class LossStats:
             out["mismatch_k3_lag0"] = self.lag0_sum_k3 / self.lag0_tokens
         if self.entropy_tokens:
             out["entropy"] = self.sum_entropy / self.entropy_tokens
+        by_length = {label: _bin_metrics(row) for label, row in
+                     zip(LENGTH_LABELS, self.by_length.tolist()) if row[1]}
+        if by_length:
+            out["by_length"] = by_length
         return out
+
+
+def _bin_metrics(row: list[float]) -> dict[str, float]:
+    sequences, tokens, sum_rho, sum_rho_sq, sum_lag = row
+    return {"sequences": sequences, "tokens": tokens, "ess": sum_rho**2 / (tokens * sum_rho_sq),
+            "lag_mean": sum_lag / tokens}

@@ -18,6 +18,7 @@ from pipelinerl.rl.losses import (
     LossStats,
     gspo_loss,
     importance_mask,
+    length_bins,
     ppo_clip_active,
     ppo_clip_loss,
     reference_k3,
@@ -65,6 +66,9 @@ def rl_step(
     else:
         clip_active = ppo_clip_active(loss_cfg.eps_low, loss_cfg.eps_high)
     stats = LossStats()
+    trained = [samples[i] for i in _trained_indices(samples, loss_cfg)]  # batches' seq_idx order
+    bins = length_bins(torch.tensor([len(s.token_ids) for s in trained], dtype=torch.long))
+    stats.count_sequences(bins)
     totals = {"loss": 0.0, "input_tokens": 0.0, "is_masked": 0.0, "kl_ref": 0.0}
     step_log_weights = torch.zeros(sum(b.num_sequences for b in batches), dtype=torch.float64,
                                    device=device)
@@ -97,7 +101,8 @@ def rl_step(
         if loss_cfg.ess_lr_scale:
             _add_log_weights(step_log_weights, batch, new_lp)
         stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
-                  clip_active, entropy=scores.entropy, context_versions=batch.context_versions)
+                  clip_active, entropy=scores.entropy, context_versions=batch.context_versions,
+                  bins=bins[batch.seq_idx.cpu()].to(device))
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
@@ -292,13 +297,16 @@ def _policy_loss(loss_cfg: LossConfig, new_lp: torch.Tensor, batch: PackedBatch,
 def _reduce(stats: LossStats, totals: dict[str, float], device: torch.device
             ) -> tuple[LossStats, dict[str, float]]:
     """Sum the step's statistics over ranks, the lag histogram bin by bin."""
-    names = [f.name for f in fields(LossStats) if f.name != "lag_counts"]
+    names = [f.name for f in fields(LossStats) if f.name not in ("lag_counts", "by_length")]
     keys = list(totals)
     summed = torch.tensor([float(getattr(stats, n)) for n in names] + [totals[k] for k in keys],
                           dtype=torch.float64, device=device)
     dist.all_reduce(summed)
     out = LossStats(**{n: type(getattr(stats, n))(v) for n, v in zip(names, summed.tolist())})
     out.lag_counts = _reduce_histogram(stats.lag_counts, device)
+    by_length = stats.by_length.to(device)
+    dist.all_reduce(by_length)
+    out.by_length = by_length.cpu()
     return out, dict(zip(keys, summed[len(names):].tolist()))
 
 

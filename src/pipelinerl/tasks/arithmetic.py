@@ -11,6 +11,8 @@ a ~1M-parameter char-level model in a few minutes on a CPU:
 Finding the next term is still the hardest part: long chains are what RL has left to fix. The
 number of terms is drawn from a skewed distribution, so completion lengths run from ~12 to
 ~60 characters with a thin tail: the length spread that makes pipelined generation pay off.
+With ``term_weights: harmonic`` a problem of k steps has weight 1/k (log-uniform lengths):
+with many terms, a long tail of long generations (examples/long_chains.yaml).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipelinerl.tasks.base import Problem, Score
 ALPHABET = "0123456789+-=,;A"
 # Geometric decay of the term-count weights: most problems are short, a few are long.
 DEFAULT_DECAY = 0.6
+HARMONIC = "harmonic"
 _TERM = re.compile(r"[+-]?\d+")
 # Bounded digit count: int() refuses >4300 digits, and no real answer is that long.
 _FINAL = re.compile(r"(?:^|;)A=(-?\d{1,9})$")
@@ -38,7 +41,7 @@ class ChainArithmeticTask:
         self,
         min_terms: int = 2,
         max_terms: int = 8,
-        term_weights: Sequence[float] | None = None,
+        term_weights: Sequence[float] | str | None = None,
         max_operand: int = 9,
         max_value: int = 99,
     ) -> None:
@@ -69,6 +72,11 @@ class ChainArithmeticTask:
         n_counts = max_terms - min_terms + 1
         if term_weights is None:
             term_weights = [DEFAULT_DECAY**i for i in range(n_counts)]
+        elif term_weights == HARMONIC:  # k = n_terms - 1 steps, weight 1/k
+            term_weights = [1 / (n - 1) for n in range(min_terms, max_terms + 1)]
+        elif isinstance(term_weights, str):
+            raise ValueError(f"term_weights must be a list of numbers or {HARMONIC!r}, "
+                             f"got {term_weights!r}")
         try:
             term_weights = [float(w) for w in term_weights]
         except (TypeError, ValueError) as e:
