@@ -70,6 +70,25 @@ def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str
 
 
 @pytest.mark.slow
+def test_drain_quick_runs_the_long_chains_example_in_two_modes(tmp_path: Path) -> None:
+    """examples/long_chains.yaml through the CLI (shrunk: a few small steps), pipeline and
+    conventional: the section's tables come from their metrics."""
+    results = BENCHMARKS / "RESULTS.md"
+    before = results.read_text()
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "drain.py"), "--quick", "--out", str(tmp_path),
+         "--modes", "pipeline", "conventional G=1"],
+        check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    section = (tmp_path / "RESULTS.md").read_text()
+    for mode in ("pipeline", "conventional G=1"):
+        # a row per mode in each table, with the share of its trained sequences by length
+        assert section.count(f"| {mode} |") >= 2
+    assert "| mode | length | share of trained sequences | lag mean | ESS |" in section
+    assert results.read_text() == before
+
+
+@pytest.mark.slow
 def test_soak_quick_samples_every_role_and_the_run_directory(tmp_path: Path) -> None:
     results = BENCHMARKS / "RESULTS.md"
     before = results.read_text()
