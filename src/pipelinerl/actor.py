@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.rollout import Rollouts, Transcript
-from pipelinerl.generation import completion_ids, sampling_from_config
+from pipelinerl.generation import sampling_from_config
 from pipelinerl.rl.advantages import Truncated, zero_variance
 from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
@@ -455,7 +455,7 @@ class Actor:
             return
         # Still in _groups, holding its place, until its scores are in.
         pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
-        completions = [self.decode(completion_ids(o)) for o in pending.outputs]
+        completions = [self.decode(o.completion_ids()) for o in pending.outputs]
         self.scorer.submit(group_id, pending.problem, completions)
 
     def publish(self, scored: Scored) -> None:

@@ -30,7 +30,6 @@ from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.eval_results import EVAL_PREFIX, logged_versions
-from pipelinerl.generation import completion_ids
 from pipelinerl.metrics.logger import METRICS
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
@@ -151,7 +150,7 @@ def evaluate(
                 if any(o.finish_reason.startswith("env_") for o in outs):
                     tallies[int(m)].failures += len(outs)  # unsolved, like a failed verifier
                     continue
-                scorer.submit(key, problems[int(i)], [decode(completion_ids(o)) for o in outs])
+                scorer.submit(key, problems[int(i)], [decode(o.completion_ids()) for o in outs])
                 unscored += 1
         unscored -= _collect(scorer, tallies, modes)
         between_steps()

@@ -54,6 +54,11 @@ class GenerationOutput:
     versions: list[int]  # policy version that produced each token
     finish_reason: str  # "stop" (a stop token was sampled; it is included) or "length"
 
+    def completion_ids(self) -> list[int]:
+        """The tokens the verifier reads: without the stop token the engine includes
+        (`envs.rollout.Transcript` answers the same for a multi-turn rollout)."""
+        return self.token_ids[:-1] if self.finish_reason == "stop" else self.token_ids
+
 
 @dataclass
 class Sample:
