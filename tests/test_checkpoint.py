@@ -23,7 +23,8 @@ from pipelinerl.checkpoint import (
 from pipelinerl.config import MetricsConfig, load_config
 from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
 from pipelinerl.streams import open_reader, open_writer
-from pipelinerl.trainer import BatchSource, Trainer, valid_upto
+from pipelinerl.attempts import valid_upto
+from pipelinerl.trainer import BatchSource, Trainer
 from pipelinerl.types import Group, Sample
 
 from tiny_models import VOCAB, tiny_hf_model

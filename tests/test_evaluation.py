@@ -4,6 +4,7 @@ torch engine, and (slow) the evaluator role in a whole run and `pipelinerl eval`
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 from pathlib import Path
@@ -239,6 +240,99 @@ def test_a_resumed_evaluator_evaluates_the_checkpoints_version_unless_it_was_log
         {"version": 4, "final": False, "attempt": 1, "eval/greedy": 0.5}, final])
 
 
+class _Publishing(_Receiver):
+    """A trainer publishing `versions` one poll after another; each version's weights are
+    filled with its number."""
+
+    def __init__(self, versions: list[int]) -> None:
+        super().__init__(0)
+        self.queue = list(versions)
+
+    def poll(self) -> int | None:
+        return self.queue[0] if self.queue else None
+
+    def receive_into(self, tensors: dict) -> int:
+        version = self.queue.pop(0)
+        for t in tensors.values():
+            t.fill_(float(version))
+        return version
+
+
+class _StopAfter(_Records):
+    """The control stream: the stop record at the `n`-th read."""
+
+    def __init__(self, stop: dict, n: int) -> None:
+        super().__init__()
+        self.stop, self.n = stop, n
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict]:
+        self.n -= 1
+        return [self.stop] if self.n == 0 else []
+
+
+class _LoadingEngine(_Engine):
+    def __init__(self) -> None:
+        self.loaded: dict[int, float] = {}
+
+    def load_weights(self, tensors: dict, version: int) -> None:
+        super().load_weights(tensors, version)
+        self.loaded[version] = float(next(iter(tensors.values())).flatten()[0])
+
+
+def test_deferred_evaluation_keeps_each_due_version_and_evaluates_them_after_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipelinerl.evaluation as evaluation
+    import pipelinerl.models.hf as hf
+    import pipelinerl.roles as roles
+    from pipelinerl.eval_snapshots import SNAPSHOTS_DIR
+
+    cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
+                                 "eval.every_steps=1", "eval.every_s=0", "eval.deferred=true"])
+    cfg.run_dir.mkdir(parents=True)
+    setup, results, engine = _Setup(), _Records(), _LoadingEngine()
+    stop = {"type": "stop", "attempt": 0, "step": 4, "final_published": True}
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(evaluation, "build_eval_setup", lambda cfg, path: (setup, engine))
+    monkeypatch.setattr(hf, "load_model", lambda *a, **kw: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(roles, "open_weight_receiver", lambda *a, **kw: _Publishing([2, 4]))
+    monkeypatch.setattr(roles, "open_eval_writer", lambda cfg: results)
+    monkeypatch.setattr(roles, "open_control_reader", lambda cfg: _StopAfter(stop, 3))
+    evaluation.run_evaluator(cfg)
+    # nothing evaluated while the run went on: versions 0, 2, 4, each with its own weights
+    # (starting model: the stand-in's; then filled with the version), after it
+    assert setup.evaluated == [0, 2, 4]
+    assert engine.loaded[2] == 2.0 and engine.loaded[4] == 4.0
+    assert results.records == [
+        *({"version": v, "final": False, "attempt": 0, "eval/greedy": 0.5} for v in (0, 2, 4)),
+        {"version": 4, "final": True, "attempt": 0}]
+    # on the cores of every role (no more than the machine's), then back to its own
+    roles = cfg.actor.threads + cfg.trainer.threads + cfg.eval.threads
+    assert threads[-2:] == [min(roles, os.cpu_count()), cfg.eval.threads]
+    assert list((cfg.run_dir / SNAPSHOTS_DIR).iterdir()) == []
+
+
+def test_snapshots_of_versions_a_resume_remade_are_dropped(tmp_path: Path) -> None:
+    """Attempt 0 kept versions 0, 3, 6; attempt 1 resumed from step 5 and kept 5 (the
+    checkpoint's, equal to attempt 0's) and 8. Attempt 0's 6 is no version of the run's."""
+    from pipelinerl.attempts import record_resume
+    from pipelinerl.eval_snapshots import Snapshots
+
+    weights = {"w": torch.ones(2)}
+    for attempt, versions in ((0, (0, 3, 6)), (1, (5, 8))):
+        for version in versions:
+            Snapshots(tmp_path, attempt).save(version, weights)
+    record_resume(tmp_path, 1, 5)
+    snapshots = Snapshots(tmp_path, 1)
+    pending = snapshots.pending(evaluated={0})
+    assert [(v, p.name) for v, p in pending] == [
+        (3, "a0-v3.safetensors"), (5, "a1-v5.safetensors"), (8, "a1-v8.safetensors")]
+    # the dropped and the evaluated are gone from disk
+    assert sorted(p.name for p in snapshots.dir.iterdir()) == [
+        "a0-v3.safetensors", "a1-v5.safetensors", "a1-v8.safetensors"]
+    assert torch.equal(Snapshots.load(pending[0][1], "cpu")["w"], weights["w"])
+
+
 # ---- the evaluator role in a run, and `pipelinerl eval` (slow) ------------------------------
 
 
@@ -254,13 +348,17 @@ def _run_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(tmp_path):
-    """Over the broadcast channel, whose receivers must be in the group from the start; the
-    shm evaluator runs in tests/test_dataset_task.py's CLI run."""
+@pytest.mark.parametrize("sync,deferred", [("broadcast", False), ("shm", True)])
+def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(
+        tmp_path: Path, sync: str, deferred: bool) -> None:
+    """Over the broadcast channel, whose receivers must be in the group from the start; and
+    deferred, over shm (the shm evaluator also runs in tests/test_dataset_task.py's CLI run):
+    the same records, made after the run from the weights kept while it ran."""
+    from pipelinerl.eval_snapshots import SNAPSHOTS_DIR
     from pipelinerl.launch import launch
 
-    sync = "broadcast"
-    cfg = load_config(EXAMPLE, _run_overrides(tmp_path, f"eval-{sync}", f"sync.backend={sync}"))
+    cfg = load_config(EXAMPLE, _run_overrides(tmp_path, f"eval-{sync}", f"sync.backend={sync}",
+                                              f"eval.deferred={str(deferred).lower()}"))
     assert launch(cfg) == 0
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/version" in r]
@@ -275,6 +373,9 @@ def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(tmp_
         assert 0.0 <= r["eval/greedy"] <= 1.0 and r["eval/num_problems"] == 24
         assert 0.0 <= r["eval/sampled/pass@1"] <= r["eval/sampled/pass@2"] <= 1.0
     assert "evaluated version 6" in (cfg.run_dir / "logs" / "evaluator.log").read_text()
+    if deferred:  # logged after the last step, every kept version evaluated and removed
+        assert "eval/version" not in records[-len(evals) - 1]
+        assert list((cfg.run_dir / SNAPSHOTS_DIR).iterdir()) == []
 
 
 @pytest.mark.slow

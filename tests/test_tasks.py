@@ -152,26 +152,59 @@ def test_make_task_bad_params(params: dict, needle: str) -> None:
     assert "arithmetic" in str(info.value)
 
 
-def test_harmonic_term_weights_give_the_long_chains_example_its_long_tail() -> None:
+def test_harmonic_term_weights_weigh_a_problem_of_k_steps_1_over_k() -> None:
+    task = make_task("arithmetic", {"max_terms": 10, "term_weights": "harmonic"})
+    assert task.term_weights == pytest.approx([1 / k for k in range(1, 10)])
+    with pytest.raises(ValueError, match="term_weights.*harmonic"):
+        make_task("arithmetic", {"term_weights": "zipf"})
+
+
+def test_the_long_chains_example_has_a_long_tail_of_long_generations() -> None:
     """examples/long_chains.yaml: worked solutions (what a solved completion is, EOS included)
-    of mean >= 100 tokens, p95 / median >= 3 and max / min >= 10 (issue 24's workload)."""
+    of mean >= 100 tokens, p95 / median >= 3 and max / min >= 10 (issue 24's workload), each
+    one solving its problem, all within the engine's budget."""
     from pathlib import Path
 
     from pipelinerl.config import load_config
 
     cfg = load_config(Path(__file__).parent.parent / "examples" / "long_chains.yaml")
     task = make_task(cfg.task.name, cfg.task.params)
-    weights = task.term_weights  # k = n_terms - 1 steps, weight 1/k
-    assert weights[0] / weights[9] == pytest.approx(10.0)
     rng = random.Random(0)
-    lengths = sorted(len(task.demonstration(task.sample_problem(rng), rng)) + 1
-                     for _ in range(5000))
+    lengths = []
+    for _ in range(5000):
+        problem = task.sample_problem(rng)
+        worked = task.demonstration(problem, rng)
+        assert task.score(problem, worked).success
+        assert len(problem.prompt) + len(worked) + 1 <= cfg.engine.max_seq_len
+        lengths.append(len(worked) + 1)
+    lengths.sort()
     median, p95 = lengths[len(lengths) // 2], lengths[int(0.95 * len(lengths))]
     assert statistics.fmean(lengths) >= 100 and p95 / median >= 3
     assert lengths[-1] / lengths[0] >= 10
     assert lengths[-1] <= cfg.engine.max_new_tokens
-    with pytest.raises(ValueError, match="term_weights.*harmonic"):
-        make_task("arithmetic", {"term_weights": "zipf"})
+
+
+def test_a_progression_is_worked_step_by_step_to_the_first_sum_past_its_limit() -> None:
+    task = make_task("progression", {"max_steps": 5, "max_value": 99})
+    problem = Problem("p", "41+7>60=", 62)
+    assert task.demonstration(problem, random.Random(0)) == "41+7=48,48+7=55,55+7=62;A=62"
+    assert task.score(problem, "41+7=48,48+7=55,55+7=62;A=62").success
+    assert not task.score(problem, "41+7=48;A=48").success
+    rng = random.Random(1)
+    for _ in range(200):  # every problem takes 1..max_steps sums
+        p = task.sample_problem(rng)
+        assert 1 <= task.demonstration(p, rng).count("=") - 1 <= 5
+    # slips continue from the wrong sums: wrong answers (these seeds: no slips that cancel)
+    noisy = [task.demonstration(problem, random.Random(s), step_error_prob=1.0) for s in range(20)]
+    assert all(not task.score(problem, d).success for d in noisy)
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"max_operand": 10}, "max_operand"), ({"max_steps": 0}, "max_steps"),
+    ({"max_steps": 60, "max_value": 99}, "max_value"), ({"max_steps": "5"}, "max_steps")])
+def test_progression_refuses_bad_params(params: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_task("progression", params)
 
 
 def test_make_task_known_and_unknown() -> None:

@@ -39,3 +39,10 @@ def read_resumes(run_dir: Path) -> list[tuple[int, int]]:
             continue
         resumes.append((int(row["attempt"]), int(row["resumed_from_step"])))
     return resumes
+
+
+def valid_upto(resumes: list[tuple[int, int]]) -> dict[int, int]:
+    """Per earlier attempt, the newest version still in the run's history: the lowest step
+    any later attempt resumed from (a later resume may go back further than an earlier)."""
+    return {a: min(step for b, step in resumes if b > a) for a, _ in [(0, 0), *resumes]
+            if any(b > a for b, _ in resumes)}

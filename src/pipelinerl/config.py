@@ -261,8 +261,13 @@ class EvalConfig(_Section):
     device: str = ""
     capacity: int = Field(default=0, ge=0, description="sequences in flight; 0: engine.capacity")
     final_timeout_s: float = Field(
-        default=600.0, gt=0, description="how long the trainer waits for the final evaluation"
+        default=600.0, gt=0, description="how long the trainer waits for the final evaluation "
+        "(with deferred: for each next result)"
     )
+    # Keep the weights due for evaluation (safetensors, engine dtype, under the run's
+    # eval_snapshots/) and evaluate them after the run on every core its roles had: held-out
+    # accuracy as precise as wanted at no cost to the run (docs/evaluation.md).
+    deferred: bool = False
 
     @model_validator(mode="after")
     def _check_modes(self) -> "EvalConfig":

@@ -30,8 +30,10 @@ class EvalResults:
     def made(self, version: int, time_s: float) -> None:
         self.version_time[version] = time_s
 
-    def drain(self, timeout_s: float = 0.0) -> None:
-        for record in self.reader.read(max_count=64, timeout_s=timeout_s):
+    def drain(self, timeout_s: float = 0.0) -> int:
+        """Log the results that came; how many records came."""
+        records = self.reader.read(max_count=64, timeout_s=timeout_s)
+        for record in records:
             if record.pop("attempt", 0) != self.attempt:
                 continue
             version = int(record.pop("version"))
@@ -39,15 +41,18 @@ class EvalResults:
             if record:  # else only the end marker of a version already logged
                 self.log_fn(version, {"time_s": self.version_time.get(version), **record,
                                       f"{EVAL_PREFIX}version": version})
+        return len(records)
 
     def wait_final(self, timeout_s: float) -> bool:
-        """Log results until the final one came; False if it did not within `timeout_s`."""
+        """Log results until the final one came; False if no result came for `timeout_s`
+        (deferred evaluation sends many, one by one)."""
         deadline = time.monotonic() + timeout_s
         while not self.final_logged and time.monotonic() < deadline:
-            self.drain(timeout_s=0.5)
+            if self.drain(timeout_s=0.5):
+                deadline = time.monotonic() + timeout_s
         if not self.final_logged:
-            log.warning("the evaluator's final result did not come within "
-                        "eval.final_timeout_s=%.0f s; see logs/evaluator.log", timeout_s)
+            log.warning("no result of the evaluator came for eval.final_timeout_s=%.0f s before "
+                        "its final one; see logs/evaluator.log", timeout_s)
         return self.final_logged
 
 
@@ -59,3 +64,12 @@ def logged_versions(metrics_path: Path) -> set[int]:
     with metrics_path.open() as f:  # only whole rows: the last may be half-written
         rows = [json.loads(line) for line in f if key in line and line.endswith("\n")]
     return {int(row[key]) for row in rows if key in row}
+
+
+def step_times(metrics_path: Path) -> dict[int, float]:
+    """When each optimizer step's weights were made (`time_s` of its row in `metrics_path`)."""
+    if not metrics_path.exists():
+        return {}
+    with metrics_path.open() as f:
+        rows = [json.loads(line) for line in f if '"loss"' in line and line.endswith("\n")]
+    return {int(r["step"]): r["time_s"] for r in rows if "loss" in r and "time_s" in r}

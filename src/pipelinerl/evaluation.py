@@ -19,6 +19,7 @@ was made; `pipelinerl.eval_results`) and waits for the final one before it plots
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,7 @@ from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.eval_results import EVAL_PREFIX, logged_versions
+from pipelinerl.eval_snapshots import Snapshots
 from pipelinerl.metrics.logger import METRICS
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
@@ -405,19 +407,38 @@ def run_evaluator(cfg: Config) -> None:
     writer = open_eval_writer(cfg)
     control = Control(open_control_reader(cfg), cfg.attempt)
     due = _Due(cfg.eval)
+    snapshots = Snapshots(cfg.run_dir, cfg.attempt) if cfg.eval.deferred else None
+
+    def evaluate(final: bool, between_steps: Callable[[], None] = lambda: None) -> None:
+        version = engine.version
+        metrics = setup.run(engine, between_steps=between_steps)
+        log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
+        writer.write({"version": version, "final": final, "attempt": cfg.attempt, **metrics})
 
     def run_pass(final: bool) -> None:
-        if staging.version != engine.version:
-            engine.load_weights(staging.tensors, staging.version)
-        version = engine.version
+        """Evaluate the newest weights received, or keep them for later (eval.deferred)."""
+        version = staging.version
         if final and due.last_version == version:
             # Evaluated already: the record only marks the end (the trainer logs no repeat).
             writer.write({"version": version, "final": True, "attempt": cfg.attempt})
             return
-        metrics = setup.run(engine, between_steps=staging.pump)
+        if snapshots is not None and not final:
+            snapshots.save(version, staging.tensors)
+            due.done(version)
+            return
+        if version != engine.version:
+            engine.load_weights(staging.tensors, version)
+        evaluate(final, staging.pump)
         due.done(version)
-        log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
-        writer.write({"version": version, "final": final, "attempt": cfg.attempt, **metrics})
+
+    def run_deferred() -> None:
+        """The kept versions, oldest first, on the cores the run's roles had."""
+        torch.set_num_threads(_run_threads(cfg))
+        for version, path in snapshots.pending(logged_versions(cfg.run_dir / METRICS)):
+            engine.load_weights(Snapshots.load(path, eval_device(cfg)), version)
+            evaluate(final=False)
+            path.unlink()
+        torch.set_num_threads(cfg.eval.threads)
 
     try:
         if cfg.attempt == 0 and not logged_versions(cfg.run_dir / METRICS):
@@ -441,12 +462,20 @@ def run_evaluator(cfg: Config) -> None:
         stop = control.stop
         if stop.get("final_published"):
             _await_version(staging, int(stop["step"]), cfg.sync.timeout_s)
+            if snapshots is not None:
+                run_deferred()
             run_pass(final=True)
     finally:
         setup.close()
         writer.close()
         control.close()
         staging.receiver.close()
+
+
+def _run_threads(cfg: Config) -> int:
+    """The threads the run's roles had (they are done once deferred evaluation starts)."""
+    roles = cfg.actor.num_actors * cfg.actor.threads + cfg.trainer.threads + cfg.eval.threads
+    return max(1, min(roles, os.cpu_count() or 1))
 
 
 def _await_version(staging: _Staging, version: int, timeout_s: float) -> None:

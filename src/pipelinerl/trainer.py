@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from pipelinerl.attempts import record_resume
+from pipelinerl.attempts import record_resume, valid_upto
 from pipelinerl.config import Config
 from pipelinerl.parallel import (
     GatheredWeights,
@@ -202,13 +202,6 @@ class BatchSource:
                 parts.append(f"actor {actor}: alive, generating ({beat['in_flight']} sequences "
                              "in flight) but finishing none")
         return "; ".join(parts) + "."
-
-
-def valid_upto(resumes: list[tuple[int, int]]) -> dict[int, int]:
-    """Per earlier attempt, the newest version still in the run's history: the lowest step
-    any later attempt resumed from (a later resume may go back further than an earlier)."""
-    return {a: min(step for b, step in resumes if b > a) for a, _ in [(0, 0), *resumes]
-            if any(b > a for b, _ in resumes)}
 
 
 def _oldest_version(group: Group) -> int:
@@ -502,8 +495,8 @@ def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool
 
 def run_trainer(cfg: Config) -> None:
     from pipelinerl.checkpoint import CheckpointDue, agreed_latest_checkpoint, read_state
-    from pipelinerl.eval_results import EvalResults
-    from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
+    from pipelinerl.eval_results import EvalResults, step_times
+    from pipelinerl.metrics.logger import METRICS, MetricsLogger, open_run_jsonl
     from pipelinerl.models.hf import load_model, load_tokenizer
     from pipelinerl.roles import (
         check_run_id_unused,
@@ -575,6 +568,8 @@ def run_trainer(cfg: Config) -> None:
             trainer.publish_final()
         if is_main:
             if evals is not None:
+                # Versions of earlier attempts (deferred evaluation may still log them).
+                evals.version_time.update(step_times(cfg.run_dir / METRICS))
                 evals.made(trainer.step, time.monotonic() - trainer.started_at)
     due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
                         trainer.step)

@@ -20,6 +20,7 @@ from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.math import MathTask
 from pipelinerl.tasks.numbers import NumbersTask
+from pipelinerl.tasks.progression import ProgressionTask
 from pipelinerl.tasks.reasoning import ReasoningGymTask
 from pipelinerl.tasks.split import TrainSplit, heldout_problems
 
@@ -30,6 +31,7 @@ TASKS: dict[str, type] = {
     "dataset": DatasetTask,
     "math": MathTask,
     "numbers": NumbersTask,
+    "progression": ProgressionTask,
     "reasoning_gym": ReasoningGymTask,
 }
 
@@ -156,6 +158,7 @@ __all__ = [
     "DemonstrationTask",
     "MathTask",
     "NumbersTask",
+    "ProgressionTask",
     "ReasoningGymTask",
     "Problem",
     "Score",
