@@ -40,15 +40,19 @@ ROOT = BENCH.parent
 CONFIG = ROOT / "examples" / "long_chains.yaml"
 RECORDS = BENCH / "drain"
 PLOT = BENCH / "drain.png"
+PASS1 = "eval/sampled/pass@1"
 MODES = {
     "pipeline": ["mode=pipeline"],
     "conventional G=1": ["mode=conventional", "conventional_g=1"],
     "conventional G=2": ["mode=conventional", "conventional_g=2"],
 }
+# Held-out accuracy every minute, evaluated after the run (eval.deferred): free for the run.
+EVAL = ["eval.enabled=true", "eval.deferred=true", "eval.every_s=60", "eval.num_problems=300",
+        "eval.greedy=false"]
 # The smoke: a barely warm-started model, a few small steps.
-QUICK = ["warmstart.steps=5", "trainer.batch_size=16", "actor.group_size=4",
+QUICK = ["eval.num_problems=8", "warmstart.steps=5", "trainer.batch_size=16", "actor.group_size=4",
          "engine.capacity=16", "engine.max_new_tokens=64", "engine.max_seq_len=256",
-         "task.params.max_terms=12", "trainer.max_steps=4", "trainer.max_time_s=0"]
+         "task.params.max_steps=6", "trainer.max_steps=4", "trainer.max_time_s=0"]
 
 
 def stem(mode: str) -> str:
@@ -59,7 +63,7 @@ def run(mode: str, minutes: float, out: Path, records: Path, quick: bool) -> Non
     name = stem(mode)
     extra = QUICK if quick else [f"trainer.max_time_s={minutes * 60:.0f}"]
     cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(CONFIG), *MODES[mode],
-           f"name={name}", f"output_dir={out}", "eval.enabled=false", "metrics.progress=false",
+           f"name={name}", f"output_dir={out}", *EVAL, "metrics.progress=false",
            "metrics.plot=false", *extra, "--overwrite"]
     print("$", " ".join(cmd[2:]), flush=True)
     record = {"mode": mode, "started": time.strftime("%Y-%m-%d %H:%M"),
@@ -77,9 +81,18 @@ def run(mode: str, minutes: float, out: Path, records: Path, quick: bool) -> Non
     (records / f"{name}.run.json").write_text(json.dumps(record) + "\n")
 
 
-def steps_of(records: Path, mode: str) -> list[dict[str, Any]]:
+def rows_of(records: Path, mode: str) -> list[dict[str, Any]]:
     with gzip.open(records / f"{stem(mode)}.metrics.jsonl.gz", "rt") as f:
-        return [r for r in map(json.loads, f) if "loss" in r]
+        return list(map(json.loads, f))
+
+
+def steps_of(records: Path, mode: str) -> list[dict[str, Any]]:
+    return [r for r in rows_of(records, mode) if "loss" in r]
+
+
+def evals_of(records: Path, mode: str) -> list[dict[str, Any]]:
+    return sorted((r for r in rows_of(records, mode) if "eval/version" in r),
+                  key=lambda r: r["eval/version"])
 
 
 def by_length(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -119,21 +132,26 @@ def report(records: Path, modes: list[str], minutes: float, plot: Path | None) -
     runs = [json.loads((records / f"{stem(m)}.run.json").read_text()) for m in modes]
     for mode, steps in stats.items():
         s = summary(steps)
+        evals = evals_of(records, mode)
         rows.append([mode, f"{s['steps']}", f"{s['samples_per_s']:.1f}", f"{s['occupancy']:.0%}",
                      f"{s['slot_time']:.0%}", f"{s['trainer_idle']:.0%}", f"{s['stale']}",
-                     f"{s['len_mean']:.0f}", f"{s['truncated']:.1%}"])
+                     f"{s['len_mean']:.0f}", f"{s['truncated']:.1%}",
+                     f"{evals[0][PASS1]:.3f} -> {evals[-1][PASS1]:.3f}" if evals else "-"])
         for label, b in by_length(steps).items():
             length_rows.append([mode, label, f"{b['share']:.1%}", f"{b['lag_mean']:.2f}",
                                 f"{b['ess']:.4f}"])
     if plot is not None:
-        draw(stats, plot)
+        draw(stats, {m: evals_of(records, m) for m in modes}, plot)
     return (
         "## Long generations: where conventional RL loses time (`benchmarks/drain.py`)\n\n"
         + environment(None)  # each run's load at its start is listed below
         + f"\nWorkload: `examples/long_chains.yaml` (chain arithmetic, 1-60 worked steps, a "
         "problem of k steps drawn with weight 1/k: completions of 14-667 tokens), its "
         f"warm-started tiny model; {minutes:g} minutes of RL per mode, one core per role "
-        "(rule (a) of docs/learning_speed.md), no evaluator. Slot occupancy = busy slot-steps "
+        "(rule (a) of docs/learning_speed.md); held-out pass@1 (temperature 1, 300 problems "
+        "training never sees) of the weights every 60 s, evaluated after the run "
+        "(`eval.deferred`: no cost to it; one seed, a pilot, not a learning-speed figure). "
+        "Slot occupancy = busy slot-steps "
         "/ (capacity x decode steps); slot time = busy slot-seconds / (capacity x wall-clock), "
         "lowered also by time with no decode step; trainer idle = wall-clock waiting for "
         "samples; all since the start of the run. Runs: "
@@ -141,7 +159,8 @@ def report(records: Path, modes: list[str], minutes: float, plot: Path | None) -
                     for r in runs) + ".\n\n"
         + table(["mode", "optimizer steps", "samples/s trained", "slot occupancy",
                  "slot time", "trainer idle", "groups dropped stale",
-                 "completion tokens (mean)", "cut at max_new_tokens"], rows)
+                 "completion tokens (mean)", "cut at max_new_tokens",
+                 "held-out pass@1, start -> end"], rows)
         + "\n\nBy completion length (tokens), over the run: the share of trained sequences, and "
         "the token-weighted mean of each step's lag and ESS in the bin.\n\n"
         + table(["mode", "length", "share of trained sequences", "lag mean", "ESS"],
@@ -150,24 +169,29 @@ def report(records: Path, modes: list[str], minutes: float, plot: Path | None) -
     )
 
 
-def draw(stats: dict[str, list[dict[str, Any]]], out: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+def draw(stats: dict[str, list[dict[str, Any]]], evals: dict[str, list[dict[str, Any]]],
+         out: Path) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    use, lag, share, acc = axes.flat
     for mode, steps in stats.items():
         actor = [r for r in steps if "actor_slot_time_frac" in r]
-        line, = axes[0].plot([r["time_s"] for r in actor],
-                             [r["actor_slot_time_frac"] for r in actor], label=f"{mode}: slots")
-        axes[0].plot([r["time_s"] for r in steps], [r["trainer_wait_frac"] for r in steps],
-                     ls="--", color=line.get_color(), label=f"{mode}: trainer idle")
+        line, = use.plot([r["time_s"] for r in actor], [r["actor_slot_time_frac"] for r in actor],
+                         label=f"{mode}: slots busy")
+        use.plot([r["time_s"] for r in steps], [r["trainer_wait_frac"] for r in steps],
+                 ls="--", color=line.get_color(), label=f"{mode}: trainer idle")
         bins = by_length(steps)
-        axes[1].plot(list(bins), [b["lag_mean"] for b in bins.values()], marker="o", label=mode)
-        axes[2].plot(list(bins), [b["share"] for b in bins.values()], marker="o", label=mode)
-    axes[0].set(title="slot-seconds busy and trainer idle (since start)",
-                xlabel="wall-clock (s)", ylim=(0, 1))
-    axes[1].set(title="lag by completion length", xlabel="completion tokens",
-                ylabel="mean lag (steps)")
-    axes[2].set(title="trained sequences by completion length", xlabel="completion tokens",
-                ylabel="share")
-    for ax in axes:
+        lag.plot(list(bins), [b["lag_mean"] for b in bins.values()], marker="o", label=mode)
+        share.plot(list(bins), [b["share"] for b in bins.values()], marker="o", label=mode)
+        acc.plot([r["time_s"] for r in evals[mode]], [r[PASS1] for r in evals[mode]],
+                 marker="o", label=mode)
+    use.set(title="slot-seconds busy and trainer idle (since start)", xlabel="wall-clock (s)",
+            ylim=(0, 1))
+    lag.set(title="lag by completion length", xlabel="completion tokens",
+            ylabel="mean lag (steps)")
+    share.set(title="trained sequences by completion length", xlabel="completion tokens",
+              ylabel="share")
+    acc.set(title="held-out pass@1 (T = 1; one seed)", xlabel="wall-clock (s)", ylim=(0, 1))
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()

@@ -86,7 +86,7 @@ def test_tiny_model_loads_offline(tiny_dir: Path) -> None:
     assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (128, 4, 4)
     assert cfg.num_key_value_heads == 2 and cfg.intermediate_size == 384
-    assert cfg.max_position_embeddings == 256
+    assert cfg.max_position_embeddings == 1024  # long generations (examples/long_chains.yaml) run to ~700
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     tok = AutoTokenizer.from_pretrained(str(tiny_dir), local_files_only=True)
     assert cfg.vocab_size == len(tok) and cfg.eos_token_id == tok.eos_token_id
