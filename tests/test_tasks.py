@@ -197,6 +197,11 @@ def test_a_progression_is_worked_step_by_step_to_the_first_sum_past_its_limit() 
     # slips continue from the wrong sums: wrong answers (these seeds: no slips that cancel)
     noisy = [task.demonstration(problem, random.Random(s), step_error_prob=1.0) for s in range(20)]
     assert all(not task.score(problem, d).success for d in noisy)
+    # at the top of the range only the slips that stay in it: 99 can only slip down to 98,
+    # and the sum past the range after it (107) not at all
+    top = Problem("t", "90+9>98=", 99)
+    assert {task.demonstration(top, random.Random(s), 1.0) for s in range(10)} == {
+        "90+9=98,98+9=107;A=107"}
 
 
 @pytest.mark.parametrize("params, needle", [

@@ -75,9 +75,9 @@ class ProgressionTask:
         steps = []
         while total <= limit and len(steps) < 2 * self.max_steps:
             result = total + step
-            if rng.random() < step_error_prob:
-                result += rng.choice([d for d in (-1, 1, 10)
-                                      if 0 <= result + d <= self.max_value])
+            slips = [d for d in (-1, 1, 10) if 0 <= result + d <= self.max_value]
+            if slips and rng.random() < step_error_prob:
+                result += rng.choice(slips)
             steps.append(f"{self._num(total)}+{step}={self._num(result)}")
             total = result
         return ",".join(steps) + f";A={self._num(total)}"
