@@ -204,6 +204,20 @@ class _ListReader:
         pass
 
 
+def test_the_trainer_drops_stale_groups_only_in_pipeline_mode_with_drop_stale():
+    from pipelinerl.trainer import stale_bound
+
+    def bound(*overrides: str) -> int | None:
+        return stale_bound(load_config(None, ["actor.max_lag=3", *overrides]))
+
+    assert bound() == 3 and bound("trainer.drop_stale=false") is None
+    assert bound("mode=conventional") is None
+    # without the bound a group of any lag is trained
+    source = BatchSource(_ListReader([_group("old", 0)]), group_size=2, max_lag=None,
+                         timeout_s=1.0)
+    assert [g.group_id for g in source.take(1, step=50)] == ["old"] and not source.dropped
+
+
 def test_trainer_drops_and_counts_stale_and_malformed_groups():
     records = [_group("old", 0), {"group_id": "broken"}, _group("fresh", 5), _group("fresh2", 4)]
     source = BatchSource(_ListReader(records), group_size=2, max_lag=2, timeout_s=1.0)

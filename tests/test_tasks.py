@@ -184,24 +184,26 @@ def test_the_long_chains_example_has_a_long_tail_of_long_generations() -> None:
     assert lengths[-1] <= cfg.engine.max_new_tokens
 
 
-def test_a_progression_is_worked_step_by_step_to_the_first_sum_past_its_limit() -> None:
+def test_a_progression_is_worked_step_by_step_counting_down_the_steps_left() -> None:
     task = make_task("progression", {"max_steps": 5, "max_value": 99})
-    problem = Problem("p", "41+7>60=", 62)
-    assert task.demonstration(problem, random.Random(0)) == "41+7=48,48+7=55,55+7=62;A=62"
-    assert task.score(problem, "41+7=48,48+7=55,55+7=62;A=62").success
-    assert not task.score(problem, "41+7=48;A=48").success
+    problem = Problem("p", "41+7*3=", 62)
+    worked = "3:41+7=48,2:48+7=55,1:55+7=62;A=62"
+    assert task.demonstration(problem, random.Random(0)) == worked
+    assert task.score(problem, worked).success
+    assert not task.score(problem, "3:41+7=48;A=48").success  # stopping early is wrong
     rng = random.Random(1)
-    for _ in range(200):  # every problem takes 1..max_steps sums
+    for _ in range(200):  # k steps, counted down from k to 1
         p = task.sample_problem(rng)
-        assert 1 <= task.demonstration(p, rng).count("=") - 1 <= 5
+        k = int(p.prompt.split("*")[1][:-1])
+        steps = task.demonstration(p, rng).split(";")[0].split(",")
+        assert 1 <= k <= 5 and [int(s.split(":")[0]) for s in steps] == list(range(k, 0, -1))
     # slips continue from the wrong sums: wrong answers (these seeds: no slips that cancel)
     noisy = [task.demonstration(problem, random.Random(s), step_error_prob=1.0) for s in range(20)]
     assert all(not task.score(problem, d).success for d in noisy)
-    # at the top of the range only the slips that stay in it: 99 can only slip down to 98,
-    # and the sum past the range after it (107) not at all
-    top = Problem("t", "90+9>98=", 99)
-    assert {task.demonstration(top, random.Random(s), 1.0) for s in range(10)} == {
-        "90+9=98,98+9=107;A=107"}
+    # at the top of the range only the slips that stay in it: 99 can only slip down
+    top = Problem("t", "90+9*1=", 99)
+    assert {task.demonstration(top, random.Random(s), 1.0) for s in range(20)} == {
+        "1:90+9=89;A=89", "1:90+9=98;A=98"}
 
 
 @pytest.mark.parametrize("params, needle", [

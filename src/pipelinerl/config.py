@@ -213,6 +213,13 @@ class TrainerConfig(_Section):
     sample_timeout_s: float = Field(
         default=300.0, gt=0, description="fail loudly if no sample arrives for this long"
     )
+    # Pipeline mode: a group whose oldest token is more than actor.max_lag steps old when its
+    # turn comes is dropped (counted, its place given back) or, false, trained. Admission
+    # bounds every group's lag at its start either way; the lag a long generation gathers
+    # while it runs is its own, and dropping it drops the long completions, all of them where
+    # generating one takes longer than max_lag steps (docs/learning_speed.md, "Long
+    # generations"). The importance weights correct what is trained late.
+    drop_stale: bool = True
     seed: int = 0
     # Checkpoints (docs/reliability.md): when either bound is reached (0: that bound off), and
     # always at the end; the newest `checkpoint_keep` complete ones are kept.

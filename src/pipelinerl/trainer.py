@@ -52,7 +52,8 @@ class BatchSource:
 
     reader: StreamReader
     group_size: int
-    max_lag: int | None  # None: no bound (conventional mode bounds lag by construction)
+    # None: no bound (conventional mode bounds lag by construction; trainer.drop_stale=false)
+    max_lag: int | None
     timeout_s: float
     # Per earlier attempt of the run, the newest weight version still in this run's history:
     # the lowest step a later attempt resumed from (docs/reliability.md). Empty: not resumed.
@@ -202,6 +203,11 @@ class BatchSource:
                 parts.append(f"actor {actor}: alive, generating ({beat['in_flight']} sequences "
                              "in flight) but finishing none")
         return "; ".join(parts) + "."
+
+
+def stale_bound(cfg: Config) -> int | None:
+    """The lag past which the trainer drops a group (None: it drops none for staleness)."""
+    return cfg.actor.max_lag if cfg.mode == "pipeline" and cfg.trainer.drop_stale else None
 
 
 def _oldest_version(group: Group) -> int:
@@ -548,10 +554,10 @@ def run_trainer(cfg: Config) -> None:
         load_shards(wrapped, cfg.model.path, cfg.trainer.fsdp, device)
     source = sender = control = evals = None
     if is_main:
-        max_lag = None if cfg.mode == "conventional" else cfg.actor.max_lag
         offsets = state["source"]["offsets"] if state and state["source"] else None
         control = open_control_writer(cfg)
-        source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size, max_lag,
+        source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size,
+                             stale_bound(cfg),
                              cfg.trainer.sample_timeout_s,
                              announce=functools.partial(write_returned, control, cfg))
         sender = open_weight_sender(cfg)
