@@ -36,6 +36,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _results import environment, load_average, table, write_section  # noqa: E402
 
+from pipelinerl.types import LENGTH_LABELS  # noqa: E402
+
 ROOT = BENCH.parent
 CONFIG = ROOT / "examples" / "long_chains.yaml"
 RECORDS = BENCH / "drain"
@@ -109,9 +111,9 @@ def by_length(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             s[2] += b["lag_mean"] * b["tokens"]
             s[3] += b["ess"] * b["tokens"]
     total = sum(s[0] for s in sums.values()) or 1.0
-    order = sorted(sums, key=lambda label: int(label.split("-")[0].rstrip("+")))
     return {label: {"share": sums[label][0] / total, "lag_mean": sums[label][2] / sums[label][1],
-                    "ess": sums[label][3] / sums[label][1]} for label in order}
+                    "ess": sums[label][3] / sums[label][1]} for label in LENGTH_LABELS
+            if label in sums}
 
 
 def summary(steps: list[dict[str, Any]]) -> dict[str, float]:

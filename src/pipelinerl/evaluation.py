@@ -409,7 +409,8 @@ def run_evaluator(cfg: Config) -> None:
     due = _Due(cfg.eval)
     snapshots = Snapshots(cfg.run_dir, cfg.attempt) if cfg.eval.deferred else None
 
-    def evaluate(final: bool, between_steps: Callable[[], None] = lambda: None) -> None:
+    def evaluate_loaded(final: bool, between_steps: Callable[[], None] = lambda: None) -> None:
+        """A pass over the weights the engine holds, its record written."""
         version = engine.version
         metrics = setup.run(engine, between_steps=between_steps)
         log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
@@ -428,7 +429,7 @@ def run_evaluator(cfg: Config) -> None:
             return
         if version != engine.version:
             engine.load_weights(staging.tensors, version)
-        evaluate(final, staging.pump)
+        evaluate_loaded(final, staging.pump)
         due.done(version)
 
     def run_deferred() -> None:
@@ -436,7 +437,7 @@ def run_evaluator(cfg: Config) -> None:
         torch.set_num_threads(_run_threads(cfg))
         for version, path in snapshots.pending(logged_versions(cfg.run_dir / METRICS)):
             engine.load_weights(Snapshots.load(path, eval_device(cfg)), version)
-            evaluate(final=False)
+            evaluate_loaded(final=False)
             path.unlink()
         torch.set_num_threads(cfg.eval.threads)
 

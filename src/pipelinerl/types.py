@@ -42,6 +42,12 @@ HEARTBEAT_S = 10.0
 ENV_VERSION = -1
 
 
+# Completion-length bins of the by-length metrics (tokens): [1, 32), [32, 64), ..., [512, inf).
+# Fixed, so that runs and modes compare bin by bin (`rl.losses.length_bins`).
+LENGTH_EDGES = (32, 64, 128, 256, 512)
+LENGTH_LABELS = ("1-31", "32-63", "64-127", "128-255", "256-511", "512+")
+
+
 @dataclass
 class GenerationOutput:
     """A finished sequence as the engine returns it; for a held request, one finished turn:

@@ -12,6 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from pipelinerl.types import LENGTH_LABELS  # noqa: E402
+
 # Panel titles, in reading order (left to right, top to bottom).
 PANELS = (
     "success",
@@ -104,9 +106,9 @@ def _utilisation(ax: Axes, records: list[dict[str, Any]]) -> None:
 
 
 def _length_labels(records: list[dict[str, Any]]) -> list[str]:
-    """The length bins of the records' `by_length` ("1-31", ..., "512+"), shortest first."""
-    labels = {label for r in records for label in r.get("by_length") or {}}
-    return sorted(labels, key=lambda label: int(label.split("-")[0].rstrip("+")))
+    """The length bins of the records' `by_length`, shortest first."""
+    seen = {label for r in records for label in r.get("by_length") or {}}
+    return [label for label in LENGTH_LABELS if label in seen]
 
 
 def _lag_by_length(ax: Axes, records: list[dict[str, Any]]) -> None:

@@ -18,13 +18,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from pipelinerl.types import LENGTH_EDGES, LENGTH_LABELS
+
 # (rho, advantages) -> bool mask of the tokens whose clipped term is the active one.
 ClipActive = Callable[[Tensor, Tensor], Tensor]
 
-# Completion-length bins of the by-length metrics (tokens): [1, 32), [32, 64), ..., [512, inf).
-# Fixed, so that runs and modes compare bin by bin.
-LENGTH_EDGES = (32, 64, 128, 256, 512)
-LENGTH_LABELS = ("1-31", "32-63", "64-127", "128-255", "256-511", "512+")
 # Per bin: sequences, tokens, sum of rho, sum of rho^2, sum of lag.
 _BIN_FIELDS = 5
 

@@ -60,13 +60,12 @@ def rl_step(
     num_sequences = num_sequences or len(samples)
     scoring = _scoring(cfg.engine)
     device = next(model.parameters()).device
-    batches = _batches_with_advantages(model, groups, tc, scoring, device)
+    batches, trained = _batches_with_advantages(model, groups, tc, scoring, device)
     if loss_cfg.kind == "reinforce":
         clip_active = tis_clip_active(loss_cfg.is_clip)
     else:
         clip_active = ppo_clip_active(loss_cfg.eps_low, loss_cfg.eps_high)
     stats = LossStats()
-    trained = [samples[i] for i in _trained_indices(samples, loss_cfg)]  # batches' seq_idx order
     bins = length_bins(torch.tensor([len(s.token_ids) for s in trained], dtype=torch.long))
     stats.count_sequences(bins)
     totals = {"loss": 0.0, "input_tokens": 0.0, "is_masked": 0.0, "kl_ref": 0.0}
@@ -163,15 +162,18 @@ def _scoring(ec: EngineConfig) -> Scoring:
 
 
 def _batches_with_advantages(model: torch.nn.Module, groups: list[Group], tc: TrainerConfig,
-                             scoring: Scoring, device: torch.device) -> list[PackedBatch]:
-    """The step's micro-batches of trained samples, each token with its sequence's advantage.
+                             scoring: Scoring, device: torch.device
+                             ) -> tuple[list[PackedBatch], list[Sample]]:
+    """The step's micro-batches of trained samples, each token with its sequence's advantage,
+    and those samples (the order the batches' `seq_idx` indexes).
 
     The advantages are attached once the batches exist: the vcpo baseline needs each
     sequence's importance weight, hence a scoring pass over the batches the loss will use.
     """
     samples = [s for g in groups for s in g.samples]
     trained = _trained_indices(samples, tc.loss)
-    batches = _batches([samples[i] for i in trained], tc)
+    trained_samples = [samples[i] for i in trained]
+    batches = _batches(trained_samples, tc)
     log_weights = None
     if tc.advantage.baseline == "vcpo":
         # An untrained sample (empty completion, or masked) keeps log w = 0: w = 1.
@@ -182,7 +184,7 @@ def _batches_with_advantages(model: torch.nn.Module, groups: list[Group], tc: Tr
         truncated=tc.loss.truncated, truncated_reward=tc.loss.truncated_reward,
         log_weights=log_weights,
     )[trained]
-    return [replace(b, advantages=advantages[b.seq_idx]) for b in batches]
+    return [replace(b, advantages=advantages[b.seq_idx]) for b in batches], trained_samples
 
 
 def _trained_indices(samples: list[Sample], loss_cfg: LossConfig) -> list[int]:
