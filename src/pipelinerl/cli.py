@@ -100,9 +100,11 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Installed before any heavy import: a Ctrl-C whose KeyboardInterrupt a library swallows
-    # is still acted on (stop_signals.py).
-    signals = StopSignals(interrupting=True)
+    # Installed before any heavy import, record-only: a Ctrl-C during an import is acted on
+    # once the imports are done. A KeyboardInterrupt raised inside one can abort the process
+    # (in torch's import, through pybind11: SIGABRT), or come back as another error
+    # (transformers' lazy modules), or be swallowed (stop_signals.py).
+    signals = StopSignals()
     try:
         return _main(argv, signals)
     except KeyboardInterrupt:
@@ -126,15 +128,17 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
     if rest:
         args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.command in ("audit", "prepare", "eval"):
-        signals.hand_back()
     if args.command == "audit":
         from pipelinerl.audit import main as audit_main
 
+        signals.hand_back()
         return audit_main(args.run_dir)
     from pipelinerl.models.hf import ModelPathError
     from pipelinerl.models.sources import prepare, resolve_model_path
 
+    signals.check()  # a Ctrl-C while torch and transformers imported
+    if args.command in ("prepare", "eval"):
+        signals.hand_back()
     if args.command == "prepare":
         try:
             print(prepare(args.model))

@@ -267,14 +267,16 @@ def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
     signals = signals or StopSignals()
     try:
         try:
-            with signals.interrupting():  # the warm start, the model check's imports
-                check_task(cfg)
-                given_model = bool(cfg.model.path)
-                if given_model:  # refused before the run directory is touched
-                    check_model(cfg)
+            # The checks import libraries: record-only there (cli.py's main says why).
+            check_task(cfg)
+            given_model = bool(cfg.model.path)
+            if given_model:  # refused before the run directory is touched
+                check_model(cfg)
+            with signals.interrupting():  # the warm start: minutes with no loop to check
                 cfg = prepare_run(cfg, overwrite, resume)
-                if not given_model:  # the warm-started one, or the resumed run's
-                    check_model(cfg)
+            if not given_model:  # the warm-started one, or the resumed run's
+                check_model(cfg)
+            signals.check()
         except BaseException:
             if not signals.stop:
                 raise
