@@ -211,6 +211,18 @@ def test_launcher_default_cache_dir_does_not_depend_on_cwd_with_fake_warm_start(
     assert seen[-1] == tmp_path / "cwd_b" / "rel"
 
 
+def test_the_run_configs_warm_start_settings_reach_the_warm_start_with_a_fake_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[WarmStartConfig] = []
+    monkeypatch.setattr(ws, "warm_start", lambda task, cfg, cache_dir, progress: seen.append(cfg))
+    starting_model(Config(warmstart={"cache_dir": str(tmp_path)}))
+    starting_model(Config(warmstart={"cache_dir": str(tmp_path), "steps": 7, "bf16": True,
+                                     "step_error_prob": 0.15, "seed": 2}))
+    assert (seen[0].steps, seen[0].bf16) == (WarmStartConfig().steps, False)
+    assert (seen[1].steps, seen[1].bf16, seen[1].step_error_prob, seen[1].seed) == (7, True, 0.15, 2)
+
+
 def test_warm_start_without_progress_prints_no_bar(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -149,7 +149,7 @@ def starting_model(cfg: Config) -> Path:
     if not cfg.warmstart.enabled:
         raise SystemExit("model.path is empty and warmstart.enabled=false: give model.path=DIR "
                          "(a local Hugging Face model directory)")
-    ws = WarmStartConfig(preset=cfg.model.preset, seed=cfg.warmstart.seed)
+    ws = WarmStartConfig(preset=cfg.model.preset, seed=cfg.warmstart.seed, bf16=cfg.warmstart.bf16)
     if cfg.warmstart.steps:
         ws = replace(ws, steps=cfg.warmstart.steps)
     if cfg.warmstart.step_error_prob >= 0:
