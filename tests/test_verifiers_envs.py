@@ -157,24 +157,20 @@ def test_multi_turn_episodes_mark_the_hosts_tokens_as_fed_never_trained(
         assert "Guess again." in served.tokenizer.decode(host)
         assert all(v == ENV_VERSION and lp == 0.0
                    for v, lp, m in zip(s.versions, s.logprobs, mask) if not m)
-        # Each model turn is one engine output, with its log-probs and versions.
+        # Each model turn is one engine output, with its log-probs (greedy: both episodes
+        # sample the same turns, so either one's output).
         turns, run = [], []
-        for t, m in zip(s.token_ids, mask):
+        for t, lp, m in zip(s.token_ids, s.logprobs, mask):
             if m:
-                run.append(t)
+                run.append((t, lp))
             elif run:
                 turns.append(run)
                 run = []
         turns += [run] if run else []
         assert len(turns) == s.turns
-        sampled_lp = [lp for lp, m in zip(s.logprobs, mask) if m]
-        # Greedy: both episodes sample the same turns; each turn is one of the engine's outputs.
-        start = 0
-        for t in turns:
-            lps = sampled_lp[start:start + len(t)]
-            assert any(o.logprobs == lps for o in served.driver.outputs if o.token_ids == t)
-            start += len(t)
-        assert start == len(sampled_lp)
+        for turn in turns:
+            ids, lps = [t for t, _ in turn], [lp for _, lp in turn]
+            assert any(o.token_ids == ids and o.logprobs == lps for o in served.driver.outputs)
 
 
 def test_an_actor_publishes_whole_groups_of_episodes_under_admission(
