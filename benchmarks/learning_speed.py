@@ -112,8 +112,9 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
             "metrics.plot=false", *args.overrides]
 
 
-def run(label: str, seed: int, out: Path, overrides: list[str]) -> Run:
-    """One run, or its finished copy in `out` (a run counts once its bench.json is written)."""
+def run(label: str, seed: int, out: Path, overrides: list[str], config: Path = CONFIG) -> Run:
+    """One run of `config`, or its finished copy in `out` (a run counts once its bench.json is
+    written)."""
     name = run_name(label, seed)
     if (out / name / RUN_RECORD).exists():
         print(f"[learning_speed] {label} seed {seed}: done earlier, kept", flush=True)
@@ -122,10 +123,11 @@ def run(label: str, seed: int, out: Path, overrides: list[str]) -> Run:
     common = [f"name={name}", f"output_dir={out}", f"seed={seed}", f"trainer.seed={seed}",
               *overrides, "--overwrite"]
     if label == TRL:
-        cmd = [sys.executable, str(BENCH / "trl_grpo.py"), f"--threads={TRL_THREADS}", *common]
+        cmd = [sys.executable, str(BENCH / "trl_grpo.py"), f"--threads={TRL_THREADS}",
+               f"--config={config}", *common]
         env = role_env(TRL_THREADS, progress=False)
     else:
-        cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(CONFIG), *MODES[label], *common]
+        cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(config), *MODES[label], *common]
         env = None
     print(f"[learning_speed] {label} seed {seed}: {shlex.join(cmd[1:])}", flush=True)
     record = {"label": label, "seed": seed, "started": now(), "commit": commit()}
@@ -168,13 +170,18 @@ class Run:
     @classmethod
     def load(cls, run_dir: Path, record: dict[str, Any] | None = None) -> "Run":
         with (run_dir / "metrics.jsonl").open() as f:
-            records = [json.loads(line) for line in f]
-        evals = sorted((r for r in records if "eval/version" in r), key=lambda r: r["eval/version"])
-        if not evals:
-            raise SystemExit(f"{run_dir}: no held-out evaluation; runs need eval.enabled=true")
+            rows = [json.loads(line) for line in f]
         if record is None and (run_dir / RUN_RECORD).exists():
             record = json.loads((run_dir / RUN_RECORD).read_text())
-        return cls([r for r in records if "eval/version" not in r], evals, record or {})
+        return cls.from_rows(rows, record or {}, str(run_dir))
+
+    @classmethod
+    def from_rows(cls, rows: list[dict[str, Any]], record: dict[str, Any], where: str) -> "Run":
+        """A run from its metrics.jsonl rows (`where` names them in an error)."""
+        evals = sorted((r for r in rows if "eval/version" in r), key=lambda r: r["eval/version"])
+        if not evals:
+            raise SystemExit(f"{where}: no held-out evaluation; runs need eval.enabled=true")
+        return cls([r for r in rows if "eval/version" not in r], evals, record)
 
     def to_json(self) -> dict[str, Any]:
         """The run as archived: its record, evaluations, and the report's keys of each step."""
