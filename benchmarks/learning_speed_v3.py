@@ -49,6 +49,7 @@ from _results import environment, load_average, table, this_command, write_secti
 ROOT = BENCH.parent
 CONFIG = ROOT / "examples" / "long_chains.yaml"
 V3 = BENCH / "learning_speed_v3"
+ARCHIVE = V3 / "runs"  # every run's records, committed as it ends (.gitignore lets it in)
 PLOT = BENCH / "learning_speed_v3.png"
 # The warm-started policy every run starts from, committed: a run in a later session, on
 # another machine, starts from the same weights without rebuilding them (18 minutes).
@@ -363,7 +364,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     plan = load_plan(args.quick)
-    archive = args.out / "runs" if args.quick else V3 / "runs"
+    archive = args.out / "runs" if args.quick else ARCHIVE
     load = None if args.report_only else load_average()
     if not args.report_only:
         if not args.quick:

@@ -159,3 +159,11 @@ def test_runs_start_from_the_committed_weights_or_refuse() -> None:
         v3.check_starting_model({"starting_model_sha256": "0000"})
     assert {f"model.path={v3.STARTING_MODEL}", "trainer.lr=0.0001"} <= set(v3.overrides(PLAN, quick=False))
     assert not any(o.startswith("model.path") for o in v3.overrides(PLAN, quick=True))
+
+
+def test_the_archive_directory_is_not_ignored_by_git() -> None:
+    """The records are committed as each run ends: an ignored directory would lose them."""
+    probe = v3.ARCHIVE / "pipeline_s9.run.json"
+    proc = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=BENCHMARKS.parent,
+                          check=False)
+    assert proc.returncode == 1, f"{probe.parent} is ignored by .gitignore"
