@@ -172,11 +172,18 @@ def wait_quiet(limit_s: float) -> float:
     return load
 
 
+def portable(config: str, out: Path) -> str:
+    """A run's config without this machine's paths: the checkout's become relative to it, the
+    runs' directory OUT."""
+    return config.replace(f"{ROOT}/", "").replace(str(out), "OUT")
+
+
 def archive_run(run_dir: Path, archive: Path, record: dict[str, Any]) -> None:
     """Copy a finished run's config, metrics (gzipped) and record into the archive."""
     archive.mkdir(parents=True, exist_ok=True)
     name = run_dir.name
-    shutil.copy(run_dir / "config.yaml", archive / f"{name}.config.yaml")
+    (archive / f"{name}.config.yaml").write_text(portable((run_dir / "config.yaml").read_text(),
+                                                          run_dir.parent))
     with (run_dir / "metrics.jsonl").open("rb") as src, \
             gzip.open(archive / f"{name}.metrics.jsonl.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)

@@ -167,3 +167,10 @@ def test_the_archive_directory_is_not_ignored_by_git() -> None:
     proc = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=BENCHMARKS.parent,
                           check=False)
     assert proc.returncode == 1, f"{probe.parent} is ignored by .gitignore"
+
+
+def test_archived_configs_name_no_path_of_the_machine(tmp_path: Path) -> None:
+    out = tmp_path / "made"
+    config = f"output_dir: {out}\nmodel:\n  path: {v3.STARTING_MODEL}\n"
+    assert v3.portable(config, out) == \
+        "output_dir: OUT\nmodel:\n  path: benchmarks/learning_speed_v3/starting_model\n"
