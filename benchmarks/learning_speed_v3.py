@@ -76,16 +76,34 @@ def fitted(run: ls.Run) -> tuple[np.ndarray, np.ndarray]:
     return t, isotonic_regression(y).x
 
 
-def time_to_target(run: ls.Run, target: float) -> float | None:
-    """First time the fit, linear between evaluations, reaches `target`; None if it never does."""
-    t, fit = fitted(run)
+def crossing(x: np.ndarray, fit: np.ndarray, target: float) -> float | None:
+    """Where a non-decreasing fit over `x`, linear between its points, first reaches `target`;
+    None if it never does."""
     above = np.flatnonzero(fit >= target)
     if not above.size:
         return None
     i = int(above[0])
     if i == 0:
-        return float(t[0])
-    return float(t[i - 1] + (target - fit[i - 1]) / (fit[i] - fit[i - 1]) * (t[i] - t[i - 1]))
+        return float(x[0])
+    return float(x[i - 1] + (target - fit[i - 1]) / (fit[i] - fit[i - 1]) * (x[i] - x[i - 1]))
+
+
+def time_to_target(run: ls.Run, target: float) -> float | None:
+    """First time the fit, linear between evaluations, reaches `target`; None if it never does."""
+    t, fit = fitted(run)
+    return crossing(t, fit, target)
+
+
+def samples_at_evals(run: ls.Run) -> np.ndarray:
+    """The samples trained into each evaluated snapshot (by its optimizer step)."""
+    trained = {r["step"]: r["samples_trained"] for r in run.steps if "samples_trained" in r}
+    return np.array([trained[r["step"]] if r["step"] else 0 for r in run.evals], dtype=float)
+
+
+def samples_to_target(run: ls.Run, target: float) -> float | None:
+    """The same crossing against samples trained instead of wall-clock: how many samples the
+    mode needs, whatever its rate."""
+    return crossing(samples_at_evals(run), fitted(run)[1], target)
 
 
 def mean_gain(run: ls.Run, budget_s: float) -> float:
@@ -123,6 +141,26 @@ def speedup(times: dict[str, dict[int, float | None]], against: list[str],
     return Speedup(best, statistics.fmean(censored[best].values()) / statistics.fmean(pipe.values()),
                    ls.paired_ratio(censored[best], pipe),
                    sum(t is None for t in times[best].values()))
+
+
+def decomposition(runs: dict[str, dict[int, ls.Run]], samples: dict[str, dict[int, float | None]],
+                  against: str) -> str:
+    """The time ratio as (sample-rate ratio) x (samples-to-target ratio), over the seeds in
+    which both modes reached the target: whether the pipeline wins by training faster or loses
+    by learning less per sample (lag, batch composition)."""
+    seeds = [s for s, n in samples[PIPELINE].items()
+             if n is not None and samples[against].get(s) is not None]
+    if not seeds:
+        return f"- where it comes from: not measured ({against} and the pipeline reached the " \
+               "target in no common seed)"
+    rate = statistics.fmean(runs[PIPELINE][s].samples_per_s() for s in seeds) / \
+        statistics.fmean(runs[against][s].samples_per_s() for s in seeds)
+    pipe_n = statistics.fmean(samples[PIPELINE][s] for s in seeds)
+    other_n = statistics.fmean(samples[against][s] for s in seeds)
+    return (f"- where it comes from ({len(seeds)} seed(s) in which both reached the target): "
+            f"the pipeline trained {rate:.2f}x the samples per second and needed "
+            f"{pipe_n / other_n:.2f}x the samples ({pipe_n:.0f} against {other_n:.0f}); time "
+            f"ratio about {rate:.2f} x {other_n / pipe_n:.2f} = {rate * other_n / pipe_n:.2f}x")
 
 
 # -- runs -------------------------------------------------------------------------------------
@@ -221,7 +259,8 @@ def load_archive(archive: Path, modes: list[str]) -> dict[str, dict[int, ls.Run]
 
 
 def headline(versus: str, result: Speedup | str, times: dict[str, dict[int, float | None]],
-             seeds: int) -> list[str]:
+             seeds: int, runs: dict[str, dict[int, ls.Run]],
+             samples: dict[str, dict[int, float | None]]) -> list[str]:
     head = f"Learning speed-up (pipeline vs {versus}): "
     if isinstance(result, str):
         return [head + f"not measured ({result})", ""]
@@ -236,25 +275,32 @@ def headline(versus: str, result: Speedup | str, times: dict[str, dict[int, floa
              "the budget" if result.censored else ""
     return [head + f"{result.ratio:.1f}x" + bound + provisional,
             f"- {result.against}: {result.ratio * pipe:.0f} s to the target vs the pipeline's "
-            f"{pipe:.0f} s (means over seeds); paired by seed: {geo:.1f}x, {interval}{missed}", ""]
+            f"{pipe:.0f} s (means over seeds); paired by seed: {geo:.1f}x, {interval}{missed}",
+            decomposition(runs, samples, result.against), ""]
 
 
 def last_with(run: ls.Run, key: str) -> float | None:
     return next((r[key] for r in reversed(run.steps) if r.get(key) is not None), None)
 
 
+def reached_cell(values: dict[int, float | None], spec: str) -> str:
+    """Mean and interval over the seeds, or how many reached the target and their values."""
+    reached = [v for v in values.values() if v is not None]
+    if len(reached) == len(values):
+        return ls.fmt_interval(reached, spec)
+    return f"{len(reached)}/{len(values)} reached" + \
+        (f": {ls.fmt_interval(reached, spec)}" if reached else "")
+
+
 def mode_rows(runs: dict[str, dict[int, ls.Run]], times: dict[str, dict[int, float | None]],
-              plan: dict[str, Any]) -> list[list[str]]:
+              samples: dict[str, dict[int, float | None]], plan: dict[str, Any]) -> list[list[str]]:
     def cell(label: str, fn: Any, spec: str) -> str:
         return ls.fmt_interval([v for r in runs[label].values() if (v := fn(r)) is not None], spec)
 
     rows = []
     for label in runs:
-        reached = [t for t in times[label].values() if t is not None]
-        n = len(times[label])
-        time_s = ls.fmt_interval(reached, ".0f") if len(reached) == n else \
-            f"{len(reached)}/{n} reached" + (f": {ls.fmt_interval(reached, '.0f')}" if reached else "")
-        rows.append([label, str(n), time_s,
+        rows.append([label, str(len(times[label])), reached_cell(times[label], ".0f"),
+                     reached_cell(samples[label], ".0f"),
                      cell(label, lambda r: mean_gain(r, plan["budget_s"]), "+.3f"),
                      cell(label, lambda r: r.evals[0][PASS1], ".3f"),
                      cell(label, lambda r: fitted(r)[1][-1], ".3f"),
@@ -294,6 +340,8 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
     target, budget_s = plan["target"], plan["budget_s"]
     times = {m: {s: time_to_target(r, target) for s, r in by_seed.items()}
              for m, by_seed in runs.items()}
+    samples = {m: {s: samples_to_target(r, target) for s, r in by_seed.items()}
+               for m, by_seed in runs.items()}
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
     records = [r.record for by_seed in runs.values() for r in by_seed.values()]
     conventional = [m for m in runs if m.startswith("conventional")]
@@ -314,15 +362,17 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
         "- time to target: first crossing of the isotonic fit of held-out pass@1 against "
         "wall-clock (linear between evaluations); a miss counts at the budget. Mean gain: the "
         "area under the held-out curve above its start over the budget, divided by it. TRL's "
-        "clock stops while it evaluates",
+        "clock stops while it evaluates. Samples to target: the same crossing against the "
+        "samples trained into each evaluated snapshot",
         "",
         *headline("best conventional, long generations, rule (a)",
-                  speedup(times, conventional, budget_s), times, len(seeds)),
+                  speedup(times, conventional, budget_s), times, len(seeds), runs, samples),
         *headline("TRL GRPOTrainer, long generations", speedup(times, [TRL], budget_s), times,
-                  len(seeds)),
-        table(["mode", "seeds", "time to target (s) [95% CI]", "mean gain [95% CI]",
-               "start pass@1", "end of fit", "samples/s", "slot occupancy", "trainer idle",
-               "lag mean", "ESS"], mode_rows(runs, times, plan)),
+                  len(seeds), runs, samples),
+        table(["mode", "seeds", "time to target (s) [95% CI]", "samples to target",
+               "mean gain [95% CI]", "start pass@1", "end of fit", "samples/s",
+               "slot occupancy", "trainer idle", "lag mean", "ESS"],
+              mode_rows(runs, times, samples, plan)),
         "Per seed: time to target (s), the run's place in its seed's order, the load at its start",
         "",
         table(["mode", *(f"seed {s}" for s in seeds)], seed_rows(runs, times, seeds)),

@@ -29,12 +29,13 @@ def fake_run(pass1: list[float], every_s: float = 60.0, label: str = v3.PIPELINE
     """A run evaluated every `every_s` seconds with these held-out pass@1 values."""
     evals = [{"step": i, "time_s": i * every_s, "eval/version": i, v3.PASS1: y}
              for i, y in enumerate(pass1)]
-    end = every_s * (len(pass1) - 1)
-    steps = [{"step": 1, "time_s": end, "samples_trained": samples_per_s * end, "ess": 0.99,
-              "lag_mean": 1.5, "actor_slot_occupancy": 0.9, "trainer_wait_frac": 0.4,
+    # One optimizer step per evaluation, each evaluated snapshot that step's.
+    steps = [{"step": i, "time_s": i * every_s, "samples_trained": samples_per_s * i * every_s,
+              "ess": 0.99, "lag_mean": 1.5, "actor_slot_occupancy": 0.9, "trainer_wait_frac": 0.4,
               "by_length": {"1-31": {"sequences": 6, "tokens": 300, "lag_mean": 1.0, "ess": 1.0},
                             "512+": {"sequences": 2, "tokens": 1200, "lag_mean": 3.0,
-                                         "ess": 0.98}}}]
+                                         "ess": 0.98}}}
+             for i in range(1, len(pass1))]
     record = {"label": label, "seed": seed, "started": "2026-11-26 14:00",
               "finished": "2026-11-26 14:30", "commit": "abc1234", "position": 0,
               "load_1min_at_start": 0.12}
@@ -72,6 +73,23 @@ def test_speedup_takes_the_faster_conventional_mode_and_counts_a_miss_at_the_bud
     missed = v3.speedup({**times, v3.PIPELINE: {0: 200.0, 1: None}}, [G1, G2], budget_s=1200)
     assert missed == "the pipeline reached the target in 1/2 seeds"
     assert v3.speedup(times, [v3.TRL], budget_s=1200) == "not run"
+
+
+def test_the_time_ratio_splits_into_sample_rate_and_samples_to_target() -> None:
+    # The pipeline trains 30 samples/s and reaches 0.3 at its first evaluation (60 s, 1800
+    # samples); the conventional mode trains 20/s and reaches it at 120 s (2400 samples):
+    # 2x sooner = 1.5x the rate x 1/0.75 of the samples.
+    pipe = fake_run([0.2, 0.3, 0.4], samples_per_s=30.0)
+    conv = fake_run([0.2, 0.25, 0.3, 0.35, 0.4], label=G1, samples_per_s=20.0)
+    assert v3.samples_to_target(pipe, 0.3) == pytest.approx(1800)
+    assert v3.samples_to_target(conv, 0.3) == pytest.approx(2400)
+    assert v3.samples_to_target(conv, 0.5) is None
+    runs = {v3.PIPELINE: {0: pipe}, G1: {0: conv}}
+    samples = {m: {0: v3.samples_to_target(r[0], 0.3)} for m, r in runs.items()}
+    assert v3.decomposition(runs, samples, G1).endswith(
+        "the pipeline trained 1.50x the samples per second and needed 0.75x the samples (1800 "
+        "against 2400); time ratio about 1.50 x 1.33 = 2.00x")
+    assert "in no common seed" in v3.decomposition(runs, {**samples, G1: {0: None}}, G1)
 
 
 def test_each_seed_rotates_which_mode_runs_first() -> None:
@@ -125,7 +143,8 @@ def test_the_archive_round_trips_and_the_report_carries_both_headlines(tmp_path:
         ratio, " (provisional: 1 of 3 planned seeds)")
     assert lines["TRL GRPOTrainer, long generations"][0] == ratio
     assert f"- {G1}: {t_g1:.0f} s to the target vs the pipeline's {t_pipe:.0f} s" in text
-    assert f"| {G2} | 1 | 0/1 reached |" in text
+    assert f"| {G2} | 1 | 0/1 reached | 0/1 reached |" in text
+    assert "- where it comes from (1 seed(s) in which both reached the target)" in text
     assert "| pipeline | 512+ | 0.25 | 3.00 | 0.980 |" in text
 
 
