@@ -159,6 +159,18 @@ def now() -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
 
 
+def first_crossing(x: np.ndarray, y: np.ndarray, target: float) -> float | None:
+    """Where `y` over `x`, linear between its points, first reaches `target`; None if it
+    never does."""
+    above = np.flatnonzero(y >= target)
+    if not above.size:
+        return None
+    i = int(above[0])
+    if i == 0:
+        return float(x[0])
+    return float(x[i - 1] + (target - y[i - 1]) / (y[i] - y[i - 1]) * (x[i] - x[i - 1]))
+
+
 @dataclass
 class Run:
     """One run's metrics.jsonl: optimizer-step records, and held-out evaluations by version."""
@@ -207,13 +219,7 @@ class Run:
             return None
         y = np.convolve([r[PASS1] for r in self.evals], np.ones(SMOOTH) / SMOOTH, mode="valid")
         t = np.array([r["time_s"] for r in self.evals], dtype=float)[SMOOTH // 2:][:len(y)]
-        above = np.flatnonzero(y >= target)
-        if not above.size:
-            return None
-        i = int(above[0])
-        if i == 0:
-            return float(t[0])
-        return float(t[i - 1] + (target - y[i - 1]) / (y[i] - y[i - 1]) * (t[i] - t[i - 1]))
+        return first_crossing(t, y, target)
 
     def samples_per_s(self) -> float:
         return self.steps[-1]["samples_trained"] / self.steps[-1]["time_s"]

@@ -76,22 +76,10 @@ def fitted(run: ls.Run) -> tuple[np.ndarray, np.ndarray]:
     return t, isotonic_regression(y).x
 
 
-def crossing(x: np.ndarray, fit: np.ndarray, target: float) -> float | None:
-    """Where a non-decreasing fit over `x`, linear between its points, first reaches `target`;
-    None if it never does."""
-    above = np.flatnonzero(fit >= target)
-    if not above.size:
-        return None
-    i = int(above[0])
-    if i == 0:
-        return float(x[0])
-    return float(x[i - 1] + (target - fit[i - 1]) / (fit[i] - fit[i - 1]) * (x[i] - x[i - 1]))
-
-
 def time_to_target(run: ls.Run, target: float) -> float | None:
     """First time the fit, linear between evaluations, reaches `target`; None if it never does."""
     t, fit = fitted(run)
-    return crossing(t, fit, target)
+    return ls.first_crossing(t, fit, target)
 
 
 def samples_at_evals(run: ls.Run) -> np.ndarray:
@@ -103,7 +91,7 @@ def samples_at_evals(run: ls.Run) -> np.ndarray:
 def samples_to_target(run: ls.Run, target: float) -> float | None:
     """The same crossing against samples trained instead of wall-clock: how many samples the
     mode needs, whatever its rate."""
-    return crossing(samples_at_evals(run), fitted(run)[1], target)
+    return ls.first_crossing(samples_at_evals(run), fitted(run)[1], target)
 
 
 def mean_gain(run: ls.Run, budget_s: float) -> float:

@@ -140,11 +140,11 @@ def main() -> None:
     load = load_average()
     text = report(measure(sizes, steps, reps), load, steps, reps)
     print(text)
+    path = _results.RESULTS
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        write_section("step_cost", text, args.out / "RESULTS.md")
-    else:
-        write_section("step_cost", text)
+        path = args.out / "RESULTS.md"
+    write_section("step_cost", text, path)
 
 
 if __name__ == "__main__":
