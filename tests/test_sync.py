@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 import threading
 import time
@@ -437,6 +438,144 @@ def test_broadcast_group_is_formed_again_when_a_dead_actor_is_restarted() -> Non
         survivor.kill()
         restarted.kill()
         _reap(survivor, doomed, restarted)
+
+
+_BIG = 8 * 2**20  # float32 elements: 32 MB, more than loopback's socket buffers hold
+
+
+def _big_weights(version: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((_BIG,), float(version))}
+
+
+class _DiesMidTransfer(BroadcastWeightReceiver):
+    """Exits at once, as if SIGKILLed, when its second transfer's first bucket is posted:
+    the header is through, the weights are not."""
+
+    def _start(self, t: torch.Tensor, what: str) -> tuple[Any, str]:
+        if what.startswith("bucket 1/") and self.last_version is not None:
+            os._exit(7)
+        return super()._start(t, what)
+
+
+def _big_receiver(init: str, actor_id: int, versions: list[int], q: Any,
+                  may_rejoin: bool = False, dies: bool = False) -> None:
+    torch.set_num_threads(1)
+    try:
+        cls = _DiesMidTransfer if dies else BroadcastWeightReceiver
+        r = cls(init, actor_id, 2, timeout_s=30.0, rendezvous_timeout_s=60,
+                may_rejoin=may_rejoin)
+        target = torch.zeros(_BIG)
+        for expected in versions:
+            deadline = time.monotonic() + 60
+            while r.poll() is None:
+                assert time.monotonic() < deadline, f"version {expected} never announced"
+                time.sleep(0.001)
+            v = r.receive_into({"w": target})
+            q.put((actor_id, v, bool((target == float(v)).all())))
+        while not r.closed:
+            r.poll()
+            time.sleep(0.005)
+        r.close()
+        q.put((actor_id, "closed"))
+    except BaseException as e:
+        q.put(("error", f"actor {actor_id}: {e}"))
+
+
+def test_broadcast_member_killed_mid_transfer_is_restarted_and_the_version_sent_again() -> None:
+    """The race behind a flaky reliability test: an actor killed inside the weight broadcast.
+    The trainer waits for its restart, forms the group again and sends the same version to
+    every member; the survivor returns only once, with the whole version."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q_survivor, q_doomed, q_new = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
+    survivor = SPAWN.Process(target=_big_receiver, args=(init, 0, [1, 2, 3], q_survivor))
+    doomed = SPAWN.Process(target=_big_receiver, args=(init, 1, [1, 2], q_doomed, False, True))
+    restarted = SPAWN.Process(target=_big_receiver, args=(init, 1, [2, 3], q_new, True))
+    survivor.start()
+    doomed.start()
+    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=30, rendezvous_timeout_s=60)
+
+    def launcher() -> None:  # as the launcher does: restart the actor once it has died
+        doomed.join()
+        restarted.start()
+
+    watcher = threading.Thread(target=launcher)
+    try:
+        sender.publish(_big_weights(1), 1)
+        assert _get(q_survivor) == (0, 1, True) and _get(q_doomed) == (1, 1, True)
+        watcher.start()
+        sender.publish(_big_weights(2), 2)  # the doomed actor dies inside this transfer
+        assert doomed.exitcode == 7 and sender.epoch == 1
+        assert _get(q_survivor) == (0, 2, True)
+        assert _get(q_new) == (1, 2, True)
+        sender.publish(_big_weights(3), 3)
+        assert (_get(q_survivor), _get(q_new)) == ((0, 3, True), (1, 3, True))
+        sender.close()
+        assert (_get(q_survivor), _get(q_new)) == ((0, "closed"), (1, "closed"))
+        assert q_doomed.empty()
+    finally:
+        sender.close()
+        if watcher.is_alive():
+            watcher.join(timeout=60)
+        survivor.kill()
+        restarted.kill()
+        _reap(survivor, doomed, restarted)
+
+
+def test_broadcast_member_killed_mid_transfer_and_not_restarted_aborts_everyone() -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q_survivor, q_doomed = SPAWN.Queue(), SPAWN.Queue()
+    survivor = SPAWN.Process(target=_big_receiver, args=(init, 0, [1, 2], q_survivor))
+    doomed = SPAWN.Process(target=_big_receiver, args=(init, 1, [1, 2], q_doomed, False, True))
+    survivor.start()
+    doomed.start()
+    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=30, rendezvous_timeout_s=60)
+    try:
+        sender.publish(_big_weights(1), 1)
+        assert _get(q_survivor)[:2] == (0, 1) and _get(q_doomed)[:2] == (1, 1)
+        sender.rendezvous_timeout_s = 2  # how long a restart may take to rejoin
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="no restarted actor rejoined within 2 s"):
+            sender.publish(_big_weights(2), 2)
+        assert time.monotonic() - t0 < 2 + 5
+        tag, message = q_survivor.get(timeout=30)
+        assert tag == "error" and "aborted version 2" in message, message
+        with pytest.raises(RuntimeError, match="broken"):
+            sender.publish(_big_weights(3), 3)
+    finally:
+        sender.close()
+        survivor.kill()
+        _reap(survivor, doomed)
+
+
+def test_broadcast_receiver_waiting_for_data_leaves_when_the_trainer_gives_up_hand_driven_sender() -> None:
+    """A survivor whose data will never come (the sender failed on a dead member first) leaves
+    its collective as soon as the sender settles the transfer, not at the collective's timeout.
+    The sender's side is driven by hand through its store keys: go, then no data, then abort."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q = SPAWN.Queue()
+    actor = SPAWN.Process(target=_bcast_receiver, args=(init, 0, 1, [1], torch.float32, 30.0, q))
+    actor.start()
+    sender = BroadcastWeightSender(init, n_actors=1, timeout_s=30, rendezvous_timeout_s=60)
+    try:
+        assert sender.store is not None
+        sender.store.set("manifest", WeightLayout.from_weights(_weights(1)).to_json())
+        sender.store.set("version", "1")
+        deadline = time.monotonic() + 30
+        while sender.store.get("e0/peer/1") != b"1":
+            assert time.monotonic() < deadline, "the actor never got ready for version 1"
+            time.sleep(0.01)
+        sender.store.set("e0/go/1", "ok")
+        time.sleep(1.0)  # the actor now waits for the header, which is never sent
+        t0 = time.monotonic()
+        sender.store.set("e0/done/1", "abort: gave up before sending")
+        tag, message = q.get(timeout=30)
+        assert time.monotonic() - t0 < 5  # the collective's timeout is 30 s
+        assert tag == "error" and "aborted version 1: abort: gave up" in message, message
+    finally:
+        if sender.store is not None:
+            sender.store.set("e0/peer/1", "closed")
+        sender.close()
+        _reap(actor)
 
 
 def test_broadcast_missing_actor_at_start_fails_loudly_naming_it() -> None:

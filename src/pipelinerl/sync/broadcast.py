@@ -16,6 +16,9 @@ Store keys (all small strings):
                 version v; "closed"; "error: <message>"
     e<k>/go/<v> the sender's verdict for version v in epoch k: "ok" (broadcast follows),
                 "abort: <why>", or "regroup" (join epoch k + 1, then ask again)
+    e<k>/done/<v>  the sender's word after the transfer of version v in epoch k: "ok" (every
+                member has it), "retry" (a member was lost mid-transfer; join epoch k + 1 and
+                receive v again) or "abort: <why>"
 
 Rendezvous: every rank sets `peer/<r>` and waits (up to `rendezvous_timeout_s`, by default
 `timeout_s`; actors loading a large model may need longer) for all the others', naming the
@@ -32,12 +35,21 @@ One update (sender `publish(weights, v)`):
   3. once all actors are there the sender sets `go/<v> = ok` and broadcasts a small header
      (version, bucket size; 0 = per tensor) and then the weights, bucket by bucket (or one
      tensor at a time with `per_parameter=True`, to compare).
+  4. the sender sets `done/<v>`; a receiver returns only once it reads "ok", so an engine
+     whose transfer was cut short is never left running on half-written weights.
 A busy actor delays the sender by at most one decode step. A dead, stuck or closed actor, or
 one that reported an error, makes the sender set `go/<v> = abort: ...` and raise, naming the
 actor, so the actors already waiting raise the same reason instead of sitting in a collective
 until it times out. No collective starts before every member is known to be at it; every
-collective still carries `timeout_s` for a peer dying mid-transfer. After a failure the
-channel is broken: rebuilding the group means restarting its processes.
+collective still carries `timeout_s` for a peer dying mid-transfer.
+
+A member lost during a transfer (killed between `go` and the last bucket): which survivors got
+the whole version is arbitrary (a tree broadcast may relay through the dead rank), so the
+sender waits up to `rendezvous_timeout_s` for the launcher's restart of that actor to rejoin,
+sets `done/<v> = retry`, forms the group again and sends the same version to every member.
+Streamed weights (a sharded trainer gathers each tensor with its peers) cannot be sent twice
+from rank 0 alone: they, and a loss with no rejoin, set `done/<v> = abort: ...` and break the
+channel, which then stays broken (the run fails, resumable from its last checkpoint).
 
 Membership changes (an actor restarted by the launcher): a torch.distributed group cannot take
 a new member, so the group is formed again. The restarted receiver (`may_rejoin`: it continues
@@ -46,7 +58,7 @@ for a new epoch. The sender checks `rejoins` while it waits for actors at a publ
 `epoch`, answers "regroup" to the actors already waiting for the version, and every member
 meets again under the new epoch's keys and builds a new group (its own `pg<k>` store prefix);
 the live actors notice at their next `poll()` or through that verdict. The publish then goes on
-in the new group. A member that dies during a transfer still breaks the channel (above).
+in the new group. A member that dies during a transfer is taken back the same way (above).
 
 Shutdown: the sender's `close()` sets `version = closed` and keeps the store (which lives in
 the trainer's process) up until every live actor has seen it (its `poll()` then answers None
@@ -79,10 +91,15 @@ from pipelinerl.sync.layout import WeightLayout
 logger = logging.getLogger(__name__)
 
 _ALIGN = 16  # every dtype's item size divides it, so bucket slices can be viewed as any dtype
-_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002  # the sender's wait for actors to get ready
+_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002  # waits for actors to get ready, for data to land
+_SETTLED_CHECK_S = 0.05  # how often a receiver waiting for data asks whether the sender gave up
 _CLOSE_WAIT_S = 10.0  # at most this long for actors to see the sender's close
 # A string: NCCL's class exists in CUDA builds of torch only.
 _Group: TypeAlias = "dist.ProcessGroupGloo | dist.ProcessGroupNCCL"
+
+
+class TransferLost(RuntimeError):
+    """A collective of the weight group failed: a member died or stalled."""
 
 
 def _parse_init_method(init_method: str) -> tuple[str, int]:
@@ -200,8 +217,8 @@ class _Channel:
     def _collective(self, what: str) -> Iterator[None]:
         try:
             yield
-        except dist.DistError as e:
-            raise RuntimeError(
+        except RuntimeError as e:  # gloo reports a peer gone as a plain RuntimeError
+            raise TransferLost(
                 f"{_describe(self.rank)}: weight broadcast failed at {what} (a member of the "
                 f"group died or stalled; timeout {self.timeout_s} s): {e}"
             ) from e
@@ -337,21 +354,53 @@ class BroadcastWeightSender(_Channel):
             self.store.set("manifest", layout.to_json())
         t0 = time.perf_counter()
         self.store.set("version", str(version))
-        self._await_actors(version)
-        self.store.set(self._key(f"go/{version}"), "ok")
-        t1 = time.perf_counter()
+        while True:
+            self._await_actors(version)
+            self.store.set(self._key(f"go/{version}"), "ok")
+            t1 = time.perf_counter()
+            try:
+                self._send(sources, version)
+                break
+            except TransferLost as e:
+                self._await_rejoin(version, weights, sources, e)
+                _, sources, _ = open_weights(weights, self._layout)
+        self.store.set(self._key(f"done/{version}"), "ok")
         self.last_wait_s = t1 - t0
-        try:
-            self._send(sources, version)
-        except RuntimeError as e:
-            self._broken = str(e)
-            raise
         self._finish_timing(t1)
         logger.info("broadcast weights version %d: waited %.1f ms for actors, sent in %.1f ms",
                     version, 1e3 * self.last_wait_s, 1e3 * self.last_transfer_s)
         if self._version is not None:
-            self.store.delete_key(self._key(f"go/{self._version}"))
+            for name in ("go", "done"):
+                self.store.delete_key(self._key(f"{name}/{self._version}"))
         self._version = version
+
+    def _await_rejoin(self, version: int, weights: Weights, sources: Iterator[torch.Tensor],
+                      error: TransferLost) -> None:
+        """The transfer of `version` failed: return once a restarted actor asks to rejoin (the
+        caller then sends `version` again in a new group), telling the members to retry; or
+        tell them to abort and raise."""
+        assert self.store is not None
+        done = self._key(f"done/{version}")
+        if not isinstance(weights, Mapping):
+            for _ in sources:  # the other trainer ranks finish their gathers rather than hang
+                pass
+            reason = f"{error}; streamed (sharded) weights cannot be sent again"
+        else:
+            deadline = time.monotonic() + self.rendezvous_timeout_s
+            while self.store.add("rejoins", 0) <= self._rejoins_seen:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            else:
+                logger.warning("weight transfer of version %d failed (%s); a restarted actor "
+                               "rejoined, sending it again", version, error)
+                self.store.set(done, "retry")
+                return
+            reason = (f"{error}; no restarted actor rejoined within "
+                      f"{self.rendezvous_timeout_s} s")
+        self._broken = reason
+        self.store.set(done, f"abort: {reason}")
+        raise RuntimeError(reason) from error
 
     def _send(self, sources: Iterator[torch.Tensor], version: int) -> None:
         """Sources are taken one at a time, in slot order, each dropped once packed: a
@@ -423,6 +472,7 @@ class BroadcastWeightReceiver(_Channel):
         wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.last_version: int | None = None
         self.closed = False
+        self._receiving: int | None = None  # the version whose transfer is under way
         me = _describe(self.rank)
         try:
             self.store = dist.TCPStore(self.host, self.port, None, False, wait)
@@ -520,23 +570,82 @@ class BroadcastWeightReceiver(_Channel):
             self._report(f"error: {e}")
             raise
         t0 = time.perf_counter()
-        while (verdict := self._await_go(version)) == "regroup":
-            self._join(int(self.store.get("epoch")))
-        if verdict != "ok":
-            raise RuntimeError(f"{me}: trainer aborted version {version}: {verdict}")
+        while True:
+            while (verdict := self._await_go(version)) == "regroup":
+                self._join(int(self.store.get("epoch")))
+            if verdict != "ok":
+                raise RuntimeError(f"{me}: trainer aborted version {version}: {verdict}")
+            failure: TransferLost | None = None
+            self._receiving = version
+            try:
+                self._receive(dests, version)
+            except TransferLost as e:  # a member died: the trainer says whether to retry
+                failure = e
+            finally:
+                self._receiving = None
+            outcome = self._await_done(version)
+            if outcome == "retry":
+                self._join(self._await_new_epoch(self.epoch))
+                continue
+            if outcome != "ok":
+                raise RuntimeError(f"{me}: trainer aborted version {version}: {outcome}")
+            if failure is not None:
+                self._report(f"error: {failure}")
+                raise RuntimeError(f"{me}: weights of version {version} left incomplete, though "
+                                   f"the trainer finished sending them: {failure}") from failure
+            break
+        self._finish_timing(t0)
+        self.last_version = version
+        return version
+
+    def _wait(self, pending: tuple[dist.Work, str]) -> None:
+        """Wait for data; if the sender settles the transfer without this member meanwhile
+        (a member died and the sender already lost its data), leave at once rather than at
+        the collective's timeout."""
+        work, what = pending
+        pause, next_check = _POLL_MIN_S, time.monotonic() + _SETTLED_CHECK_S
+        with self._collective(what):
+            while not work.is_completed():
+                if time.monotonic() > next_check:
+                    next_check = time.monotonic() + _SETTLED_CHECK_S
+                    if (outcome := self._settled()) not in (None, "ok"):
+                        assert self.group is not None
+                        self.group.abort()
+                        raise RuntimeError(f"the trainer ended the transfer: {outcome}")
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            work.wait(self.timeout)  # raises the collective's error, if any
+
+    def _settled(self) -> str | None:
+        """The sender's word on the transfer under way, once it has given it."""
+        assert self.store is not None and self._receiving is not None
+        done = self._key(f"done/{self._receiving}")
+        return self.store.get(done).decode() if self.store.check([done]) else None
+
+    def _receive(self, dests: list[list[torch.Tensor]], version: int) -> None:
         header = torch.empty(2, dtype=torch.int64, device=self.device)
         self._broadcast(header, "the header")
         sent_version, bucket_bytes = (int(x) for x in header.tolist())
         if sent_version != version:
-            raise RuntimeError(f"{me}: expected version {version}, trainer sent {sent_version}")
+            raise RuntimeError(f"{_describe(self.rank)}: expected version {version}, trainer "
+                               f"sent {sent_version}")
         with torch.no_grad():
             if bucket_bytes == 0:
                 self._receive_per_parameter(dests)
             else:
                 self._receive_buckets(dests, bucket_bytes)
-        self._finish_timing(t0)
-        self.last_version = version
-        return version
+
+    def _await_done(self, version: int) -> str:
+        """The sender's word on the transfer of `version`. Its worst case: its own transfer
+        times out, then it waits for a restarted actor to rejoin."""
+        assert self.store is not None
+        done = self._key(f"done/{version}")
+        try:
+            self.store.wait([done], timedelta(seconds=self.timeout_s + self.rendezvous_timeout_s))
+        except dist.DistError as e:
+            raise TimeoutError(f"{_describe(self.rank)}: the trainer (rank 0) did not settle the "
+                               f"transfer of version {version}") from e
+        return self.store.get(done).decode()
 
     def _await_go(self, version: int) -> str:
         """Say this rank is ready for `version`; the sender's verdict."""
