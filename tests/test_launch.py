@@ -289,6 +289,42 @@ def test_fake_slow_final_save_completes_before_the_actors_are_told_to_stop(
     assert tok.eos_token_id is not None
 
 
+def _sleeper(seconds: float) -> subprocess.Popen:
+    # Its own process group, as the launcher starts roles (the stop signals go to the group).
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"],
+                            start_new_session=True)
+
+
+def test_a_trainer_waiting_on_a_slow_deferred_evaluation_is_not_called_stranded_fake_roles(
+        tmp_path: Path):
+    """Deferred evaluation goes on long after the actors left; the run ends when the trainer
+    does, however long that takes (on main the launcher failed it `grace` after the actors
+    left). Roles are stand-in processes that sleep."""
+    procs = [launch_module.RoleProcess("trainer", _sleeper(4.0), None),
+             launch_module.RoleProcess("actor_0", _sleeper(0.0), None),
+             launch_module.RoleProcess("evaluator", _sleeper(3.0), None)]
+    try:
+        code, failed = launch_module._supervise(procs, launch_module.StopSignals(), tmp_path,
+                                                actors_gone_grace_s=1.5)
+        assert (code, failed) == (0, None)
+    finally:
+        launch_module._stop_all(procs, launch_module.StopSignals())
+
+
+def test_a_trainer_left_alone_is_stopped_after_the_grace_fake_roles(tmp_path: Path, capsys):
+    procs = [launch_module.RoleProcess("trainer", _sleeper(60.0), None),
+             launch_module.RoleProcess("actor_0", _sleeper(0.0), None),
+             launch_module.RoleProcess("evaluator", _sleeper(0.5), None)]
+    try:
+        t0 = time.monotonic()
+        code, failed = launch_module._supervise(procs, launch_module.StopSignals(), tmp_path,
+                                                actors_gone_grace_s=1.0)
+        assert (code, failed) == (1, None) and time.monotonic() - t0 < 10
+        assert "exited while the trainer was still running" in capsys.readouterr().err
+    finally:
+        launch_module._stop_all(procs, launch_module.StopSignals())
+
+
 _LEADER_WITH_HUNG_CHILD = """
 import signal, subprocess, sys, time
 # A child in the leader's process group that ignores SIGTERM, as a rank stuck in native code.

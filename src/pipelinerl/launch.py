@@ -463,12 +463,15 @@ def _supervise(procs: list[RoleProcess], signals: StopSignals, run_dir: Path,
             _stop_all(procs, signals)
             print(f"run finished: {run_dir}", file=sys.stderr)
             return 0, None
-        if all(rp.proc.poll() == 0 for rp in procs if rp.role.startswith("actor")):
+        # A live evaluator is one the trainer may be waiting on (deferred evaluation works
+        # through every snapshot after the actors left); the trainer's own final_timeout_s
+        # bounds that wait, so only a trainer left with no other role is stranded.
+        if all(rp.proc.poll() == 0 for rp in procs[1:]):
             actors_gone_at = actors_gone_at or time.monotonic()
             if time.monotonic() - actors_gone_at > actors_gone_grace_s:
                 _stop_all(procs, signals)
-                print("\nevery actor exited while the trainer was still running",
-                      file=sys.stderr)
+                print("\nevery actor (and the evaluator) exited while the trainer was still "
+                      "running", file=sys.stderr)
                 return 1, None
         time.sleep(POLL_S)
     return None, None
