@@ -1,12 +1,14 @@
-"""Learning-speed benchmark v3 (issue 24): PipelineRL vs conventional RL and TRL's GRPOTrainer
-on long generations (examples/long_chains.yaml), by a measure named before the runs.
+"""Learning-speed benchmark v3: PipelineRL vs conventional RL (and TRL's GRPOTrainer) by a
+measure named before the runs, for a frozen plan.
 
-The plan (benchmarks/learning_speed_v3/PLAN.md, its numbers in plan.json beside it) fixes the
-modes, the budget, the evaluation and the target. One call runs one seed's four modes in one
-sitting, in the order the seed rotates to, each only once the machine is quiet (1-minute load
-below QUIET_LOAD, recorded); each run's config, metrics and record are copied into
-benchmarks/learning_speed_v3/runs/ as it ends, and the report (RESULTS.md section
-`learning_speed_v3`, benchmarks/learning_speed_v3.png) is rebuilt from every run there.
+A plan is a directory, benchmarks/learning_speed_v3/ by default (issue 24: long generations,
+examples/long_chains.yaml), or benchmarks/learning_speed_smollm2/ (issue 23: SmolLM2-135M):
+its PLAN.md, and the numbers in plan.json beside it, fix the workload, the modes, the budget,
+the evaluation and the target. One call runs one seed's modes in one sitting, in the order the
+seed rotates to, each only once the machine is quiet (1-minute load below QUIET_LOAD,
+recorded); each run's config, metrics and record are copied into the plan's runs/ as it ends,
+and the report (the RESULTS.md section named after the plan's directory, and the plot
+benchmarks/<directory>.png) is rebuilt from every run there.
 
 Measure: per run, the isotonic (non-decreasing) least-squares fit of held-out pass@1 against
 wall-clock; time to target = where that fit, linear between evaluations, first reaches the
@@ -14,6 +16,7 @@ target; a run that never does counts at the budget (censored).
 
     python benchmarks/learning_speed_v3.py --seed 0            # one seed: ~100 minutes, quiet
     python benchmarks/learning_speed_v3.py --report-only       # rebuild from the runs archived
+    python benchmarks/learning_speed_v3.py --plan benchmarks/learning_speed_smollm2 --seed 0
     python benchmarks/learning_speed_v3.py --quick --out /tmp/v3   # CI smoke: nothing recorded
 """
 
@@ -47,24 +50,49 @@ import learning_speed as ls  # noqa: E402
 from _results import environment, load_average, table, this_command, write_section  # noqa: E402
 
 ROOT = BENCH.parent
-CONFIG = ROOT / "examples" / "long_chains.yaml"
-V3 = BENCH / "learning_speed_v3"
-ARCHIVE = V3 / "runs"  # every run's records, committed as it ends (.gitignore lets it in)
-PLOT = BENCH / "learning_speed_v3.png"
-# The warm-started policy every run starts from, committed: a run in a later session, on
-# another machine, starts from the same weights without rebuilding them (18 minutes).
-STARTING_MODEL = V3 / "starting_model"
+V3 = BENCH / "learning_speed_v3"  # the default plan (issue 24)
 PIPELINE, TRL, PASS1 = ls.PIPELINE, ls.TRL, ls.PASS1
 MODES = [PIPELINE, "conventional G=1 (a)", "conventional G=2 (a)", TRL]
 PLANNED_SEEDS = 3
 QUIET_LOAD = 0.3  # 1-minute load average below which a run may start
 QUIET_WAIT_S = 900  # how long to wait for it before refusing
-QUICK_PLAN = {"target": 0.05, "budget_s": 20, "eval_every_s": 5, "eval_problems": 8,
-              "modes": [PIPELINE, "conventional G=1 (a)"]}
+QUICK_PLAN = {"workload": "examples/long_chains.yaml", "target": 0.05, "budget_s": 20,
+              "eval_every_s": 5, "eval_problems": 8, "modes": [PIPELINE, "conventional G=1 (a)"]}
 # The smoke: a barely warm-started model on short chains, a few small steps.
 QUICK = ["warmstart.steps=5", "trainer.batch_size=16", "actor.group_size=4",
          "engine.capacity=16", "engine.max_new_tokens=64", "engine.max_seq_len=256",
          "task.params.max_steps=6"]
+
+
+@dataclass(frozen=True)
+class PlanDir:
+    """Where a plan's files live: its runs' records (committed as each run ends), the
+    committed starting weights if it has them, its plot and its RESULTS.md section."""
+
+    path: Path
+
+    @property
+    def archive(self) -> Path:
+        return self.path / "runs"
+
+    @property
+    def starting_model(self) -> Path:
+        # A warm-started policy, committed: a run in a later session, on another machine,
+        # starts from the same weights without rebuilding them.
+        return self.path / "starting_model"
+
+    @property
+    def plot(self) -> Path:
+        return self.path.parent / f"{self.path.name}.png"
+
+    @property
+    def section(self) -> str:
+        return self.path.name
+
+
+# Titles of the default plan (issue 24), for a plan.json that names none.
+DEFAULT_TITLE = "Learning speed v3: long generations, PipelineRL vs conventional RL and TRL"
+DEFAULT_LABEL = "long generations"
 
 
 # -- the measure ------------------------------------------------------------------------------
@@ -154,26 +182,34 @@ def decomposition(runs: dict[str, dict[int, ls.Run]], samples: dict[str, dict[in
 # -- runs -------------------------------------------------------------------------------------
 
 
-def load_plan(quick: bool) -> dict[str, Any]:
+def load_plan(plan_dir: PlanDir, quick: bool) -> dict[str, Any]:
     if quick:
         return QUICK_PLAN
-    path = V3 / "plan.json"
+    path = plan_dir.path / "plan.json"
     if not path.exists():
         raise SystemExit(f"{path} not found: the plan is frozen (PLAN.md and plan.json) before "
                          "the first run")
     return json.loads(path.read_text())
 
 
-def check_starting_model(plan: dict[str, Any]) -> None:
-    """Refuse to run from weights other than the plan's."""
-    digest = hashlib.sha256((STARTING_MODEL / "model.safetensors").read_bytes()).hexdigest()
+def check_starting_model(plan: dict[str, Any], plan_dir: PlanDir) -> None:
+    """Refuse to run from weights other than the plan's (a plan that names none starts from
+    the workload's own model)."""
+    if "starting_model_sha256" not in plan:
+        return
+    weights = plan_dir.starting_model / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
     if digest != plan["starting_model_sha256"]:
-        raise SystemExit(f"{STARTING_MODEL}/model.safetensors has sha256 {digest}, the plan's "
-                         f"runs start from {plan['starting_model_sha256']}")
+        raise SystemExit(f"{weights} has sha256 {digest}, the plan's runs start from "
+                         f"{plan['starting_model_sha256']}")
 
 
-def overrides(plan: dict[str, Any], quick: bool) -> list[str]:
-    base = QUICK if quick else [f"model.path={STARTING_MODEL}", f"trainer.lr={plan['lr']}"]
+def overrides(plan: dict[str, Any], plan_dir: PlanDir, quick: bool) -> list[str]:
+    if quick:
+        base = QUICK
+    else:
+        base = [f"model.path={plan_dir.starting_model}"] if "starting_model_sha256" in plan else []
+        base += [f"trainer.lr={plan['lr']}"] if "lr" in plan else []
     return [*base, f"trainer.max_time_s={plan['budget_s']}", "trainer.max_steps=1000000",
             "eval.enabled=true", "eval.deferred=true", "eval.greedy=false",
             f"eval.every_s={plan['eval_every_s']}", f"eval.num_problems={plan['eval_problems']}",
@@ -216,7 +252,8 @@ def archive_run(run_dir: Path, archive: Path, record: dict[str, Any]) -> None:
     (archive / f"{name}.run.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
-def run_seed(seed: int, plan: dict[str, Any], out: Path, archive: Path, quick: bool) -> None:
+def run_seed(seed: int, plan: dict[str, Any], plan_dir: PlanDir, out: Path, archive: Path,
+             quick: bool) -> None:
     for position, label in enumerate(rotated(plan["modes"], seed)):
         name = ls.run_name(label, seed)
         if (archive / f"{name}.run.json").exists():
@@ -224,7 +261,8 @@ def run_seed(seed: int, plan: dict[str, Any], out: Path, archive: Path, quick: b
             continue
         load = os.getloadavg()[0] if quick else wait_quiet(QUIET_WAIT_S)
         t0 = time.monotonic()
-        done = ls.run(label, seed, out, overrides(plan, quick), config=CONFIG)
+        done = ls.run(label, seed, out, overrides(plan, plan_dir, quick),
+                      config=ROOT / plan["workload"])
         record = {**done.record, "position": position, "load_1min_at_start": round(load, 2),
                   "wall_s": round(time.monotonic() - t0)}
         archive_run(out / name, archive, record)
@@ -333,12 +371,17 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
     records = [r.record for by_seed in runs.values() for r in by_seed.values()]
     conventional = [m for m in runs if m.startswith("conventional")]
+    label = plan.get("label", DEFAULT_LABEL)
+    plan_file = archive.parent / "PLAN.md"
+    plan_file = plan_file.relative_to(ROOT) if plan_file.is_relative_to(ROOT) else plan_file
+    trl = headline(f"TRL GRPOTrainer, {label}", speedup(times, [TRL], budget_s), times,
+                   len(seeds), runs, samples) if TRL in plan["modes"] else []
     return "\n".join([
-        "## Learning speed v3: long generations, PipelineRL vs conventional RL and TRL",
+        f"## {plan.get('title', DEFAULT_TITLE)}",
         "",
         environment(load, this_command()).rstrip("\n"),
-        f"- plan: benchmarks/learning_speed_v3/PLAN.md (frozen {plan.get('frozen', '-')}); "
-        f"workload `examples/long_chains.yaml`; {budget_s:.0f} s of RL wall-clock per run; "
+        f"- plan: {plan_file} (frozen {plan.get('frozen', '-')}); "
+        f"workload `{plan['workload']}`; {budget_s:.0f} s of RL wall-clock per run; "
         f"held-out pass@1 at T=1 on {plan['eval_problems']} problems every "
         f"{plan['eval_every_s']:.0f} s (deferred: evaluated after the run); target "
         f"{target:.3f}",
@@ -353,10 +396,9 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
         "clock stops while it evaluates. Samples to target: the same crossing against the "
         "samples trained into each evaluated snapshot",
         "",
-        *headline("best conventional, long generations, rule (a)",
+        *headline(f"best conventional, {label}, rule (a)",
                   speedup(times, conventional, budget_s), times, len(seeds), runs, samples),
-        *headline("TRL GRPOTrainer, long generations", speedup(times, [TRL], budget_s), times,
-                  len(seeds), runs, samples),
+        *trl,
         table(["mode", "seeds", "time to target (s) [95% CI]", "samples to target",
                "mean gain [95% CI]", "start pass@1", "end of fit", "samples/s",
                "slot occupancy", "trainer idle", "lag mean", "ESS"],
@@ -371,7 +413,7 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
     ])
 
 
-def plot(runs: dict[str, dict[int, ls.Run]], target: float, path: Path) -> None:
+def plot(runs: dict[str, dict[int, ls.Run]], target: float, path: Path, label: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (label, by_seed) in enumerate(runs.items()):
         colour = plt.get_cmap("tab10")(i)
@@ -382,7 +424,8 @@ def plot(runs: dict[str, dict[int, ls.Run]], target: float, path: Path) -> None:
     ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:.2f}")
     ax.set_xlabel("wall-clock (min; TRL: training clock)")
     ax.set_ylabel("held-out pass@1 (T = 1)")
-    ax.set_title("Long generations: held-out pass@1 (dots) and its isotonic fit, every seed")
+    ax.set_title(f"{label[0].upper()}{label[1:]}: held-out pass@1 (dots) and its isotonic fit, "
+                 "every seed")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -392,9 +435,12 @@ def plot(runs: dict[str, dict[int, ls.Run]], target: float, path: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seed", type=int, help="run this seed's four modes (one sitting)")
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "learning_speed_v3",
-                   help="where the runs are made (outside the archive)")
+    p.add_argument("--plan", type=Path, default=V3,
+                   help="the plan's directory (PLAN.md, plan.json, runs/)")
+    p.add_argument("--seed", type=int, help="run this seed's modes (one sitting)")
+    p.add_argument("--out", type=Path,
+                   help="where the runs are made (outside the archive; a finished run found "
+                        "there is kept, not made again); default runs/<the plan's directory>")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the report and plot from the archived runs")
     p.add_argument("--quick", action="store_true", help="tiny smoke run into --out, not recorded")
@@ -408,24 +454,28 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    plan = load_plan(args.quick)
-    archive = args.out / "runs" if args.quick else ARCHIVE
+    plan_dir = PlanDir(args.plan.resolve())
+    if args.out is None:
+        args.out = ROOT / "runs" / plan_dir.section
+    plan = load_plan(plan_dir, args.quick)
+    archive = args.out / "runs" if args.quick else plan_dir.archive
     load = None if args.report_only else load_average()
     if not args.report_only:
         if not args.quick:
-            check_starting_model(plan)
-        run_seed(args.seed, plan, args.out, archive, args.quick)
+            check_starting_model(plan, plan_dir)
+        run_seed(args.seed, plan, plan_dir, args.out, archive, args.quick)
     runs = load_archive(archive, plan["modes"])
     if PIPELINE not in runs:
         raise SystemExit(f"no pipeline run in {archive}: it is the reference")
     text = report(runs, plan, archive, load)
     print(text)
+    label = plan.get("label", DEFAULT_LABEL)
     if args.quick:  # a smoke's figures stay in --out
-        plot(runs, plan["target"], args.out / "learning_speed_v3.png")
-        write_section("learning_speed_v3", text, args.out / "RESULTS.md")
+        plot(runs, plan["target"], args.out / f"{plan_dir.section}.png", label)
+        write_section(plan_dir.section, text, args.out / "RESULTS.md")
     else:
-        plot(runs, plan["target"], PLOT)
-        write_section("learning_speed_v3", text)
+        plot(runs, plan["target"], plan_dir.plot, label)
+        write_section(plan_dir.section, text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import learning_speed_v3 as v3  # noqa: E402
 G1, G2 = "conventional G=1 (a)", "conventional G=2 (a)"
 HEADLINE = re.compile(r"^Learning speed-up \(pipeline vs (.+?)\): (\d+\.\dx|not measured)(.*)$",
                       re.M)
-PLAN = {"target": 0.35, "lr": 1e-4, "budget_s": 1200, "eval_every_s": 60, "eval_problems": 1000,
+PLAN = {"workload": "examples/long_chains.yaml", "target": 0.35, "lr": 1e-4, "budget_s": 1200, "eval_every_s": 60, "eval_problems": 1000,
         "modes": v3.MODES, "frozen": "2026-11-26"}
 
 
@@ -172,17 +172,42 @@ def test_quick_runs_a_seed_archives_it_and_reports(tmp_path: Path) -> None:
 
 def test_runs_start_from_the_committed_weights_or_refuse() -> None:
     """The plan's runs, across sessions and machines, start from the weights it names."""
-    digest = v3.hashlib.sha256((v3.STARTING_MODEL / "model.safetensors").read_bytes()).hexdigest()
-    v3.check_starting_model({"starting_model_sha256": digest})
+    plan_dir = v3.PlanDir(v3.V3)
+    digest = v3.hashlib.sha256((plan_dir.starting_model / "model.safetensors").read_bytes()).hexdigest()
+    plan = {**PLAN, "starting_model_sha256": digest}
+    v3.check_starting_model(plan, plan_dir)
     with pytest.raises(SystemExit, match="the plan's runs start from 0000"):
-        v3.check_starting_model({"starting_model_sha256": "0000"})
-    assert {f"model.path={v3.STARTING_MODEL}", "trainer.lr=0.0001"} <= set(v3.overrides(PLAN, quick=False))
-    assert not any(o.startswith("model.path") for o in v3.overrides(PLAN, quick=True))
+        v3.check_starting_model({"starting_model_sha256": "0000"}, plan_dir)
+    assert {f"model.path={plan_dir.starting_model}", "trainer.lr=0.0001"} <= \
+        set(v3.overrides(plan, plan_dir, quick=False))
+    assert not any(o.startswith("model.path") for o in v3.overrides(plan, plan_dir, quick=True))
+    # A plan naming no starting weights (nor rate) runs the workload's own model (and rate).
+    v3.check_starting_model(PLAN, v3.PlanDir(Path("/nonexistent")))
+    bare = {k: v for k, v in PLAN.items() if k != "lr"}
+    assert not any(o.startswith(("model.path", "trainer.lr"))
+                   for o in v3.overrides(bare, v3.PlanDir(Path("/nonexistent")), quick=False))
+
+
+def test_a_second_plan_reports_under_its_own_name_and_label(tmp_path: Path) -> None:
+    """issue 23's SmolLM2 plan: pipeline against one conventional mode, no TRL; its section,
+    plot and headline carry the plan's own names, and its committed plan parses."""
+    plan_dir = v3.PlanDir(v3.BENCH / "learning_speed_smollm2")
+    plan = v3.load_plan(plan_dir, quick=False)
+    assert plan["modes"] == [v3.PIPELINE, G2] and (v3.ROOT / plan["workload"]).exists()
+    assert (plan_dir.section, plan_dir.plot.name) == (
+        "learning_speed_smollm2", "learning_speed_smollm2.png")
+    up = [0.05, 0.1, 0.3, 0.6, 0.8, 0.9, 0.9, 0.9]
+    runs = [fake_run(up, label=v3.PIPELINE, seed=0), fake_run(up[:1] + up[:-1], label=G2, seed=0)]
+    loaded = v3.load_archive(archived(tmp_path, runs), plan["modes"])
+    text = v3.report(loaded, plan, tmp_path / "archive", None)
+    lines = dict((m[1], m[2]) for m in HEADLINE.finditer(text))
+    assert list(lines) == [f"best conventional, {plan['label']}, rule (a)"]
+    assert text.startswith(f"## {plan['title']}")
 
 
 def test_the_archive_directory_is_not_ignored_by_git() -> None:
     """The records are committed as each run ends: an ignored directory would lose them."""
-    probe = v3.ARCHIVE / "pipeline_s9.run.json"
+    probe = v3.PlanDir(v3.V3).archive / "pipeline_s9.run.json"
     proc = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=BENCHMARKS.parent,
                           check=False)
     assert proc.returncode == 1, f"{probe.parent} is ignored by .gitignore"
@@ -190,6 +215,6 @@ def test_the_archive_directory_is_not_ignored_by_git() -> None:
 
 def test_archived_configs_name_no_path_of_the_machine(tmp_path: Path) -> None:
     out = tmp_path / "made"
-    config = f"output_dir: {out}\nmodel:\n  path: {v3.STARTING_MODEL}\n"
+    config = f"output_dir: {out}\nmodel:\n  path: {v3.PlanDir(v3.V3).starting_model}\n"
     assert v3.portable(config, out) == \
         "output_dir: OUT\nmodel:\n  path: benchmarks/learning_speed_v3/starting_model\n"
