@@ -481,7 +481,9 @@ def _big_receiver(init: str, actor_id: int, versions: list[int], q: Any,
         q.put(("error", f"actor {actor_id}: {e}"))
 
 
-def test_broadcast_member_killed_mid_transfer_is_restarted_and_the_version_sent_again() -> None:
+@pytest.mark.parametrize("bucket_mb", [64.0, 4.0])  # one bucket; eight, two in flight
+def test_broadcast_member_killed_mid_transfer_is_restarted_and_the_version_sent_again(
+        bucket_mb: float) -> None:
     """The race behind a flaky reliability test: an actor killed inside the weight broadcast.
     The trainer waits for its restart, forms the group again and sends the same version to
     every member; the survivor returns only once, with the whole version."""
@@ -492,7 +494,8 @@ def test_broadcast_member_killed_mid_transfer_is_restarted_and_the_version_sent_
     restarted = SPAWN.Process(target=_big_receiver, args=(init, 1, [2, 3], q_new, True))
     survivor.start()
     doomed.start()
-    sender = BroadcastWeightSender(init, n_actors=2, timeout_s=30, rendezvous_timeout_s=60)
+    sender = BroadcastWeightSender(init, n_actors=2, bucket_mb=bucket_mb, timeout_s=30,
+                                   rendezvous_timeout_s=60)
 
     def launcher() -> None:  # as the launcher does: restart the actor once it has died
         doomed.join()

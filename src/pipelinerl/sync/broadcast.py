@@ -204,6 +204,7 @@ class _Channel:
         self.last_transfer_s = 0.0  # last update: time spent moving the weights
         self.store: dist.TCPStore | None = None
         self.group: _Group | None = None
+        self._retired: list[_Group] = []  # groups left after a lost member (see _drop_group)
         self.epoch = 0
         self._layout: WeightLayout | None = None
         self._buckets: tuple[int, _Plan] = (0, [])  # (the bucket size it was planned for, plan)
@@ -222,6 +223,15 @@ class _Channel:
                 f"{_describe(self.rank)}: weight broadcast failed at {what} (a member of the "
                 f"group died or stalled; timeout {self.timeout_s} s): {e}"
             ) from e
+
+    def _drop_group(self) -> None:
+        """Leave the current group, aborted but not torn down: tearing down a gloo group
+        waits until a collective still posted in it (a transfer cut short) times out. It is
+        kept instead; a group is left only when a member was lost, which is rare."""
+        if self.group is not None:
+            self.group.abort()
+            self._retired.append(self.group)
+            self.group = None
 
     def _start(self, t: torch.Tensor, what: str) -> tuple[dist.Work, str]:
         assert self.group is not None
@@ -306,7 +316,7 @@ class BroadcastWeightSender(_Channel):
         self.epoch += 1
         self.store.set("epoch", str(self.epoch))
         self.store.set(old, "regroup")
-        self.group = None  # the old group, with the dead member, is dropped
+        self._drop_group()  # the old group, with the dead member
         self._form_group()
         logger.warning("weight-sync group formed again (epoch %d): a restarted actor joined",
                        self.epoch)
@@ -517,7 +527,7 @@ class BroadcastWeightReceiver(_Channel):
         """Meet every member under `epoch`'s keys and build that epoch's group."""
         assert self.store is not None
         self.epoch = epoch
-        self.group = None
+        self._drop_group()
         self._report("-1")
         others = [r for r in range(self.world) if r != self.rank]
         _await_peers(self.store, others, self.rank, self.rendezvous_timeout_s, epoch)
@@ -609,8 +619,7 @@ class BroadcastWeightReceiver(_Channel):
                 if time.monotonic() > next_check:
                     next_check = time.monotonic() + _SETTLED_CHECK_S
                     if (outcome := self._settled()) not in (None, "ok"):
-                        assert self.group is not None
-                        self.group.abort()
+                        self._drop_group()
                         raise RuntimeError(f"the trainer ended the transfer: {outcome}")
                 time.sleep(pause)
                 pause = min(2 * pause, _POLL_MAX_S)
