@@ -95,6 +95,16 @@ DEFAULT_TITLE = "Learning speed v3: long generations, PipelineRL vs conventional
 DEFAULT_LABEL = "long generations"
 
 
+def plan_label(plan: dict[str, Any]) -> str:
+    """The workload's name in the headlines and the plot."""
+    return plan.get("label", DEFAULT_LABEL)
+
+
+def shown(path: Path) -> Path:
+    """A path as the report names it: relative to the checkout when inside it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 # -- the measure ------------------------------------------------------------------------------
 
 
@@ -371,21 +381,19 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
     records = [r.record for by_seed in runs.values() for r in by_seed.values()]
     conventional = [m for m in runs if m.startswith("conventional")]
-    label = plan.get("label", DEFAULT_LABEL)
-    plan_file = archive.parent / "PLAN.md"
-    plan_file = plan_file.relative_to(ROOT) if plan_file.is_relative_to(ROOT) else plan_file
+    label = plan_label(plan)
     trl = headline(f"TRL GRPOTrainer, {label}", speedup(times, [TRL], budget_s), times,
                    len(seeds), runs, samples) if TRL in plan["modes"] else []
     return "\n".join([
         f"## {plan.get('title', DEFAULT_TITLE)}",
         "",
         environment(load, this_command()).rstrip("\n"),
-        f"- plan: {plan_file} (frozen {plan.get('frozen', '-')}); "
+        f"- plan: {shown(archive.parent / 'PLAN.md')} (frozen {plan.get('frozen', '-')}); "
         f"workload `{plan['workload']}`; {budget_s:.0f} s of RL wall-clock per run; "
         f"held-out pass@1 at T=1 on {plan['eval_problems']} problems every "
         f"{plan['eval_every_s']:.0f} s (deferred: evaluated after the run); target "
         f"{target:.3f}",
-        f"- runs: {len(records)} in {archive.relative_to(ROOT) if archive.is_relative_to(ROOT) else archive}, "
+        f"- runs: {len(records)} in {shown(archive)}, "
         f"made {min(r['started'] for r in records)} to {max(r['finished'] for r in records)}, "
         f"code at {', '.join(sorted({r.get('commit', '?') for r in records}))}; each seed's "
         "modes in one sitting, order rotated by seed, each started with the 1-minute load "
@@ -469,7 +477,7 @@ def main() -> None:
         raise SystemExit(f"no pipeline run in {archive}: it is the reference")
     text = report(runs, plan, archive, load)
     print(text)
-    label = plan.get("label", DEFAULT_LABEL)
+    label = plan_label(plan)
     if args.quick:  # a smoke's figures stay in --out
         plot(runs, plan["target"], args.out / f"{plan_dir.section}.png", label)
         write_section(plan_dir.section, text, args.out / "RESULTS.md")

@@ -312,6 +312,24 @@ def test_factory() -> None:
 # ---- torch.distributed broadcast (gloo) ---------------------------------------------------
 
 
+def _serve(r: BroadcastWeightReceiver, actor_id: int, versions: list[int],
+           targets: dict[str, torch.Tensor], q: Any, report: Any) -> None:
+    """Like an actor: receive each version once announced and put (actor_id, version,
+    report(version)); then keep polling until the trainer closes the channel."""
+    for expected in versions:
+        deadline = time.monotonic() + 60
+        while r.poll() is None:
+            assert time.monotonic() < deadline, f"version {expected} never announced"
+            time.sleep(0.001)
+        v = r.receive_into(targets)
+        q.put((actor_id, v, report(v)))
+    while not r.closed:
+        assert r.poll() is None
+        time.sleep(0.005)
+    r.close()
+    q.put((actor_id, "closed"))
+
+
 def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int],
                     dtype: torch.dtype, timeout_s: float, q: Any, may_rejoin: bool = False) -> None:
     torch.set_num_threads(1)
@@ -319,18 +337,7 @@ def _bcast_receiver(init: str, actor_id: int, n_actors: int, versions: list[int]
         r = BroadcastWeightReceiver(init, actor_id, n_actors, timeout_s=timeout_s,
                                     rendezvous_timeout_s=60, may_rejoin=may_rejoin)
         targets = _targets(dtype, with_head=actor_id == 0)
-        for expected in versions:
-            deadline = time.monotonic() + 60
-            while r.poll() is None:
-                assert time.monotonic() < deadline, f"version {expected} never announced"
-                time.sleep(0.001)
-            v = r.receive_into(targets)
-            q.put((actor_id, v, _pack(targets)))
-        while not r.closed:  # like an actor: keep polling until the trainer closes the channel
-            assert r.poll() is None
-            time.sleep(0.005)
-        r.close()
-        q.put((actor_id, "closed"))
+        _serve(r, actor_id, versions, targets, q, lambda v: _pack(targets))
     except BaseException as e:
         q.put(("error", f"actor {actor_id}: {e}"))
 
@@ -465,18 +472,8 @@ def _big_receiver(init: str, actor_id: int, versions: list[int], q: Any,
         r = cls(init, actor_id, 2, timeout_s=30.0, rendezvous_timeout_s=60,
                 may_rejoin=may_rejoin)
         target = torch.zeros(_BIG)
-        for expected in versions:
-            deadline = time.monotonic() + 60
-            while r.poll() is None:
-                assert time.monotonic() < deadline, f"version {expected} never announced"
-                time.sleep(0.001)
-            v = r.receive_into({"w": target})
-            q.put((actor_id, v, bool((target == float(v)).all())))
-        while not r.closed:
-            r.poll()
-            time.sleep(0.005)
-        r.close()
-        q.put((actor_id, "closed"))
+        _serve(r, actor_id, versions, {"w": target}, q,
+               lambda v: bool((target == float(v)).all()))
     except BaseException as e:
         q.put(("error", f"actor {actor_id}: {e}"))
 

@@ -91,8 +91,9 @@ from pipelinerl.sync.layout import WeightLayout
 logger = logging.getLogger(__name__)
 
 _ALIGN = 16  # every dtype's item size divides it, so bucket slices can be viewed as any dtype
-_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002  # waits for actors to get ready, for data to land
-_SETTLED_CHECK_S = 0.05  # how often a receiver waiting for data asks whether the sender gave up
+_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002  # the sender's wait for actors to get ready
+_SETTLED_CHECK = timedelta(seconds=0.05)  # how often a receiver waiting for data asks whether
+                                          # the sender gave up on the transfer
 _CLOSE_WAIT_S = 10.0  # at most this long for actors to see the sender's close
 # A string: NCCL's class exists in CUDA builds of torch only.
 _Group: TypeAlias = "dist.ProcessGroupGloo | dist.ProcessGroupNCCL"
@@ -395,22 +396,27 @@ class BroadcastWeightSender(_Channel):
             for _ in sources:  # the other trainer ranks finish their gathers rather than hang
                 pass
             reason = f"{error}; streamed (sharded) weights cannot be sent again"
+        elif self._rejoined_within(self.rendezvous_timeout_s):
+            logger.warning("weight transfer of version %d failed (%s); a restarted actor "
+                           "rejoined, sending it again", version, error)
+            self.store.set(done, "retry")
+            return
         else:
-            deadline = time.monotonic() + self.rendezvous_timeout_s
-            while self.store.add("rejoins", 0) <= self._rejoins_seen:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            else:
-                logger.warning("weight transfer of version %d failed (%s); a restarted actor "
-                               "rejoined, sending it again", version, error)
-                self.store.set(done, "retry")
-                return
             reason = (f"{error}; no restarted actor rejoined within "
                       f"{self.rendezvous_timeout_s} s")
         self._broken = reason
         self.store.set(done, f"abort: {reason}")
         raise RuntimeError(reason) from error
+
+    def _rejoined_within(self, timeout_s: float) -> bool:
+        """Whether a restarted receiver asks to rejoin (one not yet taken in) within `timeout_s`."""
+        assert self.store is not None
+        deadline = time.monotonic() + timeout_s
+        while self.store.add("rejoins", 0) <= self._rejoins_seen:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _send(self, sources: Iterator[torch.Tensor], version: int) -> None:
         """Sources are taken one at a time, in slot order, each dropped once packed: a
@@ -609,26 +615,32 @@ class BroadcastWeightReceiver(_Channel):
         return version
 
     def _wait(self, pending: tuple[dist.Work, str]) -> None:
-        """Wait for data; if the sender settles the transfer without this member meanwhile
+        """Wait for data, in slices of _SETTLED_CHECK (a wait that times out leaves the
+        collective posted); if the sender settles the transfer without this member meanwhile
         (a member died and the sender already lost its data), leave at once rather than at
         the collective's timeout."""
         work, what = pending
-        pause, next_check = _POLL_MIN_S, time.monotonic() + _SETTLED_CHECK_S
+        assert self._receiving is not None
+        if self.backend != "gloo":  # a timed-out NCCL wait may abort its communicator
+            super()._wait(pending)
+            return
         with self._collective(what):
-            while not work.is_completed():
-                if time.monotonic() > next_check:
-                    next_check = time.monotonic() + _SETTLED_CHECK_S
-                    if (outcome := self._settled()) not in (None, "ok"):
-                        self._drop_group()
-                        raise RuntimeError(f"the trainer ended the transfer: {outcome}")
-                time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX_S)
-            work.wait(self.timeout)  # raises the collective's error, if any
+            while True:
+                try:
+                    work.wait(_SETTLED_CHECK)
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # done just now, or failed: wait says which
+                        work.wait(self.timeout)
+                        return
+                if (outcome := self._settled(self._receiving)) not in (None, "ok"):
+                    self._drop_group()
+                    raise RuntimeError(f"the trainer ended the transfer: {outcome}")
 
-    def _settled(self) -> str | None:
-        """The sender's word on the transfer under way, once it has given it."""
-        assert self.store is not None and self._receiving is not None
-        done = self._key(f"done/{self._receiving}")
+    def _settled(self, version: int) -> str | None:
+        """The sender's word on the transfer of `version`, once it has given it."""
+        assert self.store is not None
+        done = self._key(f"done/{version}")
         return self.store.get(done).decode() if self.store.check([done]) else None
 
     def _receive(self, dests: list[list[torch.Tensor]], version: int) -> None:
@@ -648,13 +660,15 @@ class BroadcastWeightReceiver(_Channel):
         """The sender's word on the transfer of `version`. Its worst case: its own transfer
         times out, then it waits for a restarted actor to rejoin."""
         assert self.store is not None
-        done = self._key(f"done/{version}")
         try:
-            self.store.wait([done], timedelta(seconds=self.timeout_s + self.rendezvous_timeout_s))
+            self.store.wait([self._key(f"done/{version}")],
+                            timedelta(seconds=self.timeout_s + self.rendezvous_timeout_s))
         except dist.DistError as e:
             raise TimeoutError(f"{_describe(self.rank)}: the trainer (rank 0) did not settle the "
                                f"transfer of version {version}") from e
-        return self.store.get(done).decode()
+        outcome = self._settled(version)
+        assert outcome is not None
+        return outcome
 
     def _await_go(self, version: int) -> str:
         """Say this rank is ready for `version`; the sender's verdict."""
