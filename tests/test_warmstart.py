@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -19,8 +20,13 @@ import pipelinerl.warmstart as ws
 from pipelinerl.config import Config
 from pipelinerl.launch import starting_model
 from pipelinerl.models.hf import load_model, load_tokenizer
-from pipelinerl.models.tiny import build_char_tokenizer, build_tiny_model, init_tiny_model
+from pipelinerl.models.tiny import (
+    build_char_tokenizer,
+    build_tiny_model,
+    init_tiny_model,
+)
 from pipelinerl.tasks import ChainArithmeticTask
+from pipelinerl.tasks.split import TrainSplit
 from pipelinerl.warmstart import (
     WarmStartConfig,
     cache_key,
@@ -267,3 +273,30 @@ def test_countdown_warm_starts_from_its_demonstrations(tmp_path: Path) -> None:
     # Less far down than arithmetic's: which expression reaches a target is not determined by
     # the prompt's characters as a worked sum is (measured: 2.84 -> 1.81 in 150 steps).
     assert sum(losses[-10:]) / 10 < 0.75 * sum(losses[:10]) / 10
+
+
+def test_cache_key_follows_the_task_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Editing the file that defines a user's task retrains the warm-start; a copy of the same
+    code elsewhere shares the cached one."""
+    source = (
+        "from pipelinerl.tasks.arithmetic import ChainArithmeticTask\n"
+        "class MyTask(ChainArithmeticTask):\n"
+        "    def demonstration(self, problem, rng, step_error_prob):\n"
+        "        return super().demonstration(problem, rng, step_error_prob){tail}\n"
+    )
+
+    def key_of(name: str, tail: str) -> str:
+        path = tmp_path / f"{name}.py"
+        path.write_text(source.format(tail=tail))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)  # as an import of a user's task makes it
+        spec.loader.exec_module(module)
+        return cache_key(TrainSplit(module.MyTask(), 0.1), FAST)  # as the launcher wraps it
+
+    key = key_of("task_a", "")
+    assert key == key_of("task_b", "")  # same contents, another path
+    assert key != key_of("task_c", " + ';'")
+    assert key != cache_key(TrainSplit(ChainArithmeticTask(), 0.1), FAST)

@@ -10,12 +10,14 @@ leaves RL room to climb. The result is cached under a hash of everything that de
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import math
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,6 +88,7 @@ def cache_key(
         "code_version": CODE_VERSION,
         "task": task.name,
         "task_params": task.params(),
+        "task_code": _task_code(task),
         "cfg": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_IN_KEY},
         "base_model": _dir_fingerprint(base_model_dir) if base_model_dir else None,
     }
@@ -93,6 +96,31 @@ def cache_key(
         spec["cfg"].pop("preset")
     blob = json.dumps(spec, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _task_code(task: object) -> str:
+    """Hash of the source files that define the task's class and its bases (stdlib aside),
+    through wrappers that hold it as `.task` (the train split): editing a task's
+    demonstrations must not reuse a model trained on the old ones. Contents only, not paths,
+    so every clone of the same code shares the cache."""
+    digest = hashlib.sha256()
+    files: set[str] = set()
+    layer: object | None = task
+    while layer is not None:
+        for cls in type(layer).__mro__:
+            if cls.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
+                continue
+            try:
+                source = inspect.getsourcefile(cls)
+            except (TypeError, OSError):
+                source = None
+            if source is None:  # defined where no file holds it (a REPL): its name alone
+                digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+            elif source not in files:
+                files.add(source)
+                digest.update(Path(source).read_bytes())
+        layer = vars(layer).get("task") if hasattr(layer, "__dict__") else None
+    return digest.hexdigest()[:16]
 
 
 def _dir_fingerprint(path: str | Path) -> list[Any]:
