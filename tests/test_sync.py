@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,6 +244,38 @@ def test_shm_next_run_replaces_a_crashed_runs_file() -> None:
         restarted.close()
         r.close()
     assert not shm_path(run_id).exists()
+
+
+def _shm_sender_killed(run_id: str, shm_dir: str) -> None:
+    ShmWeightSender(run_id, shm_dir).publish(_weights(1), 1)
+    os._exit(0)  # killed outright: no close, no unlink
+
+
+def test_shm_files_no_live_sender_holds_are_reclaimed_by_the_next_sender(tmp_path: Path) -> None:
+    live = ShmWeightSender(_run_id(), tmp_path)
+    live.publish(_weights(1), 1)
+    dead_id = _run_id()
+    child = SPAWN.Process(target=_shm_sender_killed, args=(dead_id, str(tmp_path)))
+    child.start()
+    _reap(child)
+    assert child.exitcode == 0
+    dead = shm_path(dead_id, tmp_path)
+    half_built = tmp_path / f"{dead.name}.tmp-999999"  # a sender killed before its rename
+    half_built.write_bytes(b"x")
+    senders = [live, ShmWeightSender(_run_id(), tmp_path)]
+    try:
+        # Within a minute a file may be one a sender has created and not locked yet: kept.
+        assert dead.exists() and half_built.exists()
+        old = time.time() - 2 * shm_mod._STALE_AFTER_S
+        for path in (live.path, dead, half_built):
+            os.utime(path, (old, old))
+        senders.append(ShmWeightSender(_run_id(), tmp_path))
+        assert not dead.exists() and not half_built.exists()
+        assert live.path.exists()  # its sender holds it
+    finally:
+        for sender in senders:
+            sender.close()
+    assert not live.path.exists()
 
 
 class _RecordingHeader:

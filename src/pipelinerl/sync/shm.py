@@ -30,11 +30,17 @@ either no file or a complete one; a crashed run leaves its file behind and the n
 the same run id replaces it (readers notice the new inode, remap, and follow the new trainer's
 versions even if they are not newer: it may have resumed from an older checkpoint). The file is
 never truncated while mapped, so readers cannot fault on it.
+
+A sender holds an exclusive `flock` on its file for its life. A sender killed outright never
+unlinks its file, and /dev/shm is memory until reboot (538 MB for a 135M-parameter model in
+fp32), so every new sender unlinks the weight files in its directory that no live sender
+holds.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -58,6 +64,8 @@ _HEADER_BYTES = 64
 _MAGIC_I, _SEQ_I, _VERSION_I, _MAN_OFF_I, _MAN_LEN_I, _DATA_OFF_I, _DATA_LEN_I = range(7)
 _SLOT_ALIGN = 64
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
+# A weight file younger than this may be one a sender has created and not locked yet.
+_STALE_AFTER_S = 60.0
 
 
 def _load_fence() -> Callable[[], None] | None:
@@ -94,14 +102,27 @@ def shm_path(run_id: str, shm_dir: str | Path = "/dev/shm") -> Path:
     return Path(shm_dir) / f"pipelinerl-{run_id}-weights"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _reclaim_stale(own: Path) -> None:
+    """Unlink the weight files (and half-built temporary ones) beside `own` that no live
+    sender holds, `own` aside: the next sender of its run replaces it in one rename."""
+    now = time.time()
+    for path in own.parent.glob("pipelinerl-*-weights*"):
+        if path == own:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone already, or another user's
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < _STALE_AFTER_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # locked: its sender is alive
+            continue
+        finally:
+            os.close(fd)
+        path.unlink(missing_ok=True)
+        logger.info("removed %s: no live sender holds it (a run killed outright left it)", path)
 
 
 class ShmWeightSender:
@@ -119,11 +140,8 @@ class ShmWeightSender:
         self._inode: tuple[int, int] | None = None
         self._version: int | None = None
         self.last_transfer_s = 0.0
-        # A crash between creating and renaming leaves a temporary file: reclaim those.
-        for stale in self.path.parent.glob(f"{self.path.name}.tmp-*"):
-            pid = stale.name.rsplit("-", 1)[1]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                stale.unlink(missing_ok=True)
+        self._fd: int | None = None  # open while the file is ours: it holds the flock
+        _reclaim_stale(self.path)
 
     def _create(self, layout: WeightLayout) -> None:
         manifest = layout.to_json().encode()
@@ -133,6 +151,7 @@ class ShmWeightSender:
         tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # ours while this sender lives (_reclaim_stale)
             # Reserve the pages now: a full /dev/shm (64 MB in a default Docker container)
             # fails here with ENOSPC instead of killing the trainer with SIGBUS mid-copy.
             os.posix_fallocate(fd, 0, size)
@@ -140,9 +159,9 @@ class ShmWeightSender:
             st = os.fstat(fd)
         except BaseException:
             os.unlink(tmp)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._fd = fd
         mm[_HEADER_BYTES:_HEADER_BYTES + len(manifest)] = manifest
         header = np.frombuffer(mm, dtype=np.int64, count=8)
         header[[_SEQ_I, _VERSION_I]] = 0
@@ -193,9 +212,13 @@ class ShmWeightSender:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == self._inode:  # never unlink a newer sender's file
-            self.path.unlink(missing_ok=True)
+            pass
+        else:
+            if (st.st_dev, st.st_ino) == self._inode:  # never unlink a newer sender's file
+                self.path.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock, after the unlink
+            self._fd = None
 
 
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the actors' mapping is PROT_READ
