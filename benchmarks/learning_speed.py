@@ -147,10 +147,12 @@ def wait_while_paused(out: Path) -> None:
 
 
 def commit() -> str:
-    """The code a run used: the checkout's commit, marked when it has uncommitted changes."""
+    """The code a run used: the checkout's commit, marked when it has uncommitted changes
+    (the reports an earlier seed's call rewrote, RESULTS.md and the plots, are not code)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!benchmarks/RESULTS.md", ":!benchmarks/*.png"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
     return f"{head}+changes" if dirty else head
 

@@ -400,9 +400,10 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
         f"below {QUIET_LOAD}",
         "- time to target: first crossing of the isotonic fit of held-out pass@1 against "
         "wall-clock (linear between evaluations); a miss counts at the budget. Mean gain: the "
-        "area under the held-out curve above its start over the budget, divided by it. TRL's "
-        "clock stops while it evaluates. Samples to target: the same crossing against the "
-        "samples trained into each evaluated snapshot",
+        "area under the held-out curve above its start over the budget, divided by it. "
+        f"{'TRL' + chr(39) + 's clock stops while it evaluates. ' if TRL in plan['modes'] else ''}"
+        "Samples to target: the same crossing against the samples trained into each evaluated "
+        "snapshot",
         "",
         *headline(f"best conventional, {label}, rule (a)",
                   speedup(times, conventional, budget_s), times, len(seeds), runs, samples),
@@ -423,14 +424,15 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
 
 def plot(runs: dict[str, dict[int, ls.Run]], target: float, path: Path, label: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (label, by_seed) in enumerate(runs.items()):
+    for i, (mode, by_seed) in enumerate(runs.items()):
         colour = plt.get_cmap("tab10")(i)
         for j, run in enumerate(by_seed.values()):
             t, y = ls.eval_curve(run)
             ax.plot(t / 60, y, ".", color=colour, alpha=0.35, ms=4)
-            ax.plot(t / 60, fitted(run)[1], "-", color=colour, lw=1.3, label=label if j == 0 else None)
+            ax.plot(t / 60, fitted(run)[1], "-", color=colour, lw=1.3, label=mode if j == 0 else None)
     ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:.2f}")
-    ax.set_xlabel("wall-clock (min; TRL: training clock)")
+    trl = TRL in runs
+    ax.set_xlabel(f"wall-clock (min{'; TRL: training clock' if trl else ''})")
     ax.set_ylabel("held-out pass@1 (T = 1)")
     ax.set_title(f"{label[0].upper()}{label[1:]}: held-out pass@1 (dots) and its isotonic fit, "
                  "every seed")
