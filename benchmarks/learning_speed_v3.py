@@ -384,6 +384,7 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
     label = plan_label(plan)
     trl = headline(f"TRL GRPOTrainer, {label}", speedup(times, [TRL], budget_s), times,
                    len(seeds), runs, samples) if TRL in plan["modes"] else []
+    trl_clock = "TRL's clock stops while it evaluates. " if TRL in plan["modes"] else ""
     return "\n".join([
         f"## {plan.get('title', DEFAULT_TITLE)}",
         "",
@@ -401,9 +402,8 @@ def report(runs: dict[str, dict[int, ls.Run]], plan: dict[str, Any], archive: Pa
         "- time to target: first crossing of the isotonic fit of held-out pass@1 against "
         "wall-clock (linear between evaluations); a miss counts at the budget. Mean gain: the "
         "area under the held-out curve above its start over the budget, divided by it. "
-        f"{'TRL' + chr(39) + 's clock stops while it evaluates. ' if TRL in plan['modes'] else ''}"
-        "Samples to target: the same crossing against the samples trained into each evaluated "
-        "snapshot",
+        f"{trl_clock}Samples to target: the same crossing against the samples trained into "
+        "each evaluated snapshot",
         "",
         *headline(f"best conventional, {label}, rule (a)",
                   speedup(times, conventional, budget_s), times, len(seeds), runs, samples),
@@ -431,8 +431,7 @@ def plot(runs: dict[str, dict[int, ls.Run]], target: float, path: Path, label: s
             ax.plot(t / 60, y, ".", color=colour, alpha=0.35, ms=4)
             ax.plot(t / 60, fitted(run)[1], "-", color=colour, lw=1.3, label=mode if j == 0 else None)
     ax.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:.2f}")
-    trl = TRL in runs
-    ax.set_xlabel(f"wall-clock (min{'; TRL: training clock' if trl else ''})")
+    ax.set_xlabel("wall-clock (min; TRL: training clock)" if TRL in runs else "wall-clock (min)")
     ax.set_ylabel("held-out pass@1 (T = 1)")
     ax.set_title(f"{label[0].upper()}{label[1:]}: held-out pass@1 (dots) and its isotonic fit, "
                  "every seed")

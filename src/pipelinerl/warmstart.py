@@ -32,6 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from pipelinerl.cache import user_cache
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
+from pipelinerl.models.sources import file_sha256
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
 from pipelinerl.tasks import DemonstrationTask, Problem
 from pipelinerl.tasks.environment import is_environment
@@ -98,29 +99,29 @@ def cache_key(
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _task_code(task: object) -> str:
-    """Hash of the source files that define the task's class and its bases (stdlib aside),
+def _task_code(task: object) -> list[str]:
+    """The SHA-256 of each source file that defines the task's class or a base (stdlib aside),
     through wrappers that hold it as `.task` (the train split): editing a task's
     demonstrations must not reuse a model trained on the old ones. Contents only, not paths,
     so every clone of the same code shares the cache."""
-    digest = hashlib.sha256()
-    files: set[str] = set()
+    prints: list[str] = []
+    for cls in _task_classes(task):
+        try:
+            source = inspect.getsourcefile(cls)
+        except (TypeError, OSError):
+            source = None
+        # A class no file holds (defined in a REPL): its name alone.
+        prints.append(file_sha256(Path(source)) if source else f"{cls.__module__}.{cls.__qualname__}")
+    return list(dict.fromkeys(prints))  # a file defining several classes counts once
+
+
+def _task_classes(task: object) -> Iterator[type]:
+    """The classes of the task and of what it wraps, with their bases, outside the stdlib."""
+    stdlib = sys.stdlib_module_names | {"builtins"}
     layer: object | None = task
     while layer is not None:
-        for cls in type(layer).__mro__:
-            if cls.__module__.partition(".")[0] in sys.stdlib_module_names | {"builtins"}:
-                continue
-            try:
-                source = inspect.getsourcefile(cls)
-            except (TypeError, OSError):
-                source = None
-            if source is None:  # defined where no file holds it (a REPL): its name alone
-                digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
-            elif source not in files:
-                files.add(source)
-                digest.update(Path(source).read_bytes())
-        layer = vars(layer).get("task") if hasattr(layer, "__dict__") else None
-    return digest.hexdigest()[:16]
+        yield from (c for c in type(layer).__mro__ if c.__module__.partition(".")[0] not in stdlib)
+        layer = getattr(layer, "__dict__", {}).get("task")
 
 
 def _dir_fingerprint(path: str | Path) -> list[Any]:
