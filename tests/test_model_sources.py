@@ -56,6 +56,48 @@ def test_a_directory_is_taken_as_given_and_a_known_name_needs_preparing(
     assert resolve_model_path(str(local)) == str(local)
 
 
+def test_two_runs_converting_one_gguf_file_at_once_build_it_once(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs (or prepares) started together on a file not yet converted: the second waits
+    for the first and takes its directory, instead of both writing the same files (and a third
+    loading one half-written behind the first's finished marker)."""
+    import threading
+    import time
+
+    from pipelinerl.models import sources
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"weights")
+    builds: list[str] = []
+    active = [0, 0]  # now, most at once
+
+    def slow_build(file: Path, sha: str, out: Path) -> None:
+        active[0] += 1
+        active[1] = max(active)
+        time.sleep(0.3)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / SOURCE_FILE).write_text("{}")
+        builds.append(threading.current_thread().name)
+        active[0] -= 1
+
+    monkeypatch.setattr(sources, "_dequantize", slow_build)
+    start = threading.Barrier(2)
+    results: list[Path] = []
+
+    def run() -> None:
+        start.wait()
+        results.append(sources.dequantize_gguf(gguf))
+
+    threads = [threading.Thread(target=run, name=f"run{i}") for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert len(builds) == 1 and active[1] == 1
+    assert len(results) == 2 and results[0] == results[1]
+    assert (results[0] / SOURCE_FILE).is_file()
+
+
 def test_a_file_that_is_not_gguf_is_refused_naming_it(tmp_path: Path, cache: Path) -> None:
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")

