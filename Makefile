@@ -9,7 +9,7 @@ install:
 # Fast tests, then the slow end-to-end ones (their own step: separate pytest runs), each over
 # TEST_WORKERS pytest-xdist workers. Two fill two cores: one test's run alone leaves ~30% of
 # them idle (process start-up, waits). More than the cores slows every test's run towards its
-# timeouts, and each SmolLM2 test holds ~3 GB.
+# timeouts, and each SmolLM2 test holds 3-4 GB (trainer with Adam, actor, evaluator).
 TEST_WORKERS ?= 2
 test: install redis
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10
