@@ -623,7 +623,7 @@ def run_trainer(cfg: Config) -> None:
             # Before the stop record: the actors, and after them the launcher, leave only once
             # the final weights are on disk, so a slow save is never cut short. The last
             # checkpoint lets `--resume` extend a finished run.
-            _save_final(cfg, model, is_main)
+            _save_final(cfg, model, tokenizer, is_main)
             if trainer.step % round_steps == 0 and due.last_step != trainer.step:
                 trainer.save_checkpoint(tokenizer)
             # The evaluator takes the final weights from the channel once the stop record
@@ -657,18 +657,18 @@ def run_trainer(cfg: Config) -> None:
             dist.destroy_process_group()
 
 
-def _save_final(cfg: Config, model: torch.nn.Module, is_main: bool) -> None:
+def _save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, is_main: bool) -> None:
     """The trained model as `final/` (atomically); with LoRA, merged, and the adapter alone
     as `final_adapter/`. A sharded model is gathered to rank 0's memory, tensor by tensor
     (every rank calls this)."""
-    from pipelinerl.models.hf import load_tokenizer, save_model
+    from pipelinerl.models.hf import save_model
     from pipelinerl.models.lora import to_save
 
     state = full_state_dict(model) if is_sharded(model) else None
     if not is_main:
         return
     final = save_model(to_save(model, cfg.run_dir / "final_adapter"),
-                       load_tokenizer(cfg.model.path), cfg.run_dir / "final", state_dict=state)
+                       tokenizer, cfg.run_dir / "final", state_dict=state)
     log.info("saved final weights to %s", final)
 
 
