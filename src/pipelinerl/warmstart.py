@@ -104,15 +104,18 @@ def _task_code(task: object) -> list[str]:
     through wrappers that hold it as `.task` (the train split): editing a task's
     demonstrations must not reuse a model trained on the old ones. Contents only, not paths,
     so every clone of the same code shares the cache."""
-    prints: list[str] = []
-    for cls in _task_classes(task):
-        try:
-            source = inspect.getsourcefile(cls)
-        except (TypeError, OSError):
-            source = None
-        # A class no file holds (defined in a REPL): its name alone.
-        prints.append(file_sha256(Path(source)) if source else f"{cls.__module__}.{cls.__qualname__}")
-    return list(dict.fromkeys(prints))  # a file defining several classes counts once
+    sources = {cls: _source_file(cls) for cls in _task_classes(task)}
+    files = dict.fromkeys(f for f in sources.values() if f)  # read once, however many classes
+    # A class no file holds (defined in a REPL) counts by its name alone.
+    unfiled = [f"{cls.__module__}.{cls.__qualname__}" for cls, f in sources.items() if f is None]
+    return [file_sha256(Path(f)) for f in files] + unfiled
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        return inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return None
 
 
 def _task_classes(task: object) -> Iterator[type]:
