@@ -17,7 +17,7 @@ from fake_tasks import DiesAtStartTask, FakeTask
 from tiny_models import VOCAB, tiny_hf_model
 
 from pipelinerl.admission import LocalLedger
-from pipelinerl.actor import Actor, Schedule
+from pipelinerl.actor import Actor, ActorStats, Schedule
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.math import MathTask
@@ -153,9 +153,24 @@ def test_slot_occupancy_counts_the_slots_a_draining_batch_leaves_empty():
     assert len(engine.step_times) == 8
     stats = actor.snapshot()
     assert stats["slot_occupancy"] == 36 / 64
-    # busy slot-seconds over capacity x wall-clock: below the per-step share, as the actor
-    # also spent time outside steps (scoring, publishing)
-    assert 0 < stats["slot_time_frac"] < 36 / 64
+    # busy slot-seconds over capacity x wall-clock: within the time in decode steps, which is
+    # below the wall-clock, as the actor also spent time outside steps (scoring, publishing)
+    assert 0 < stats["slot_time_frac"] <= stats["decode_time_frac"] < 1
+
+
+def test_slot_time_weighs_each_step_by_its_seconds():
+    """On a CPU a full step takes longer than a drained one: slot time, weighted by seconds,
+    then exceeds the per-step occupancy (what CI once saw), and stays within the decode time."""
+    stats = ActorStats(started_at=time.monotonic() - 1.0)
+    stats.count_step(8, 0.8)
+    stats.count_step(1, 0.05)
+    stats.count_step(1, 0.05)
+    snap = stats.snapshot(version=0, capacity=8)
+    assert snap["slot_occupancy"] == 10 / 24
+    assert snap["slot_time_frac"] > snap["slot_occupancy"]
+    # elapsed cancels: busy slot-seconds over capacity x decode seconds, the time-weighted share
+    assert snap["slot_time_frac"] / snap["decode_time_frac"] == pytest.approx((6.4 + 0.1) / (8 * 0.9))
+    assert snap["decode_time_frac"] <= 0.9
 
 
 # ---- prompts longer than the engine takes ------------------------------------------------

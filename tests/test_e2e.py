@@ -61,7 +61,10 @@ def test_metrics_have_every_field_with_sane_values(finished_run):
         assert r["trainer_tokens_per_s"] > 0 and r["actor_tokens_per_s"] > 0
         assert 0.0 <= r["trainer_wait_frac"] <= 1.0 and 0.0 <= r["actor_idle_frac"] <= 1.0
         assert 0.0 <= r["trainer_idle_frac"] <= 1.0
-        assert 0.0 < r["actor_slot_time_frac"] < r["actor_slot_occupancy"] <= 1.0
+        # Slot time is bounded by the time in decode steps, not by the per-step occupancy (on
+        # a CPU a full step takes longer than a drained one, and weighs more in slot time).
+        assert 0.0 < r["actor_slot_time_frac"] <= r["actor_decode_time_frac"] <= 1.0
+        assert 0.0 < r["actor_slot_occupancy"] <= 1.0
         assert r["actor_last_update_pause_s"] >= 0 and r["time_s"] > 0
         assert r["samples_trained"] % 16 == 0
         # every trained sequence in one length bin or another

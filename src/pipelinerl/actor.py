@@ -96,6 +96,7 @@ class ActorStats:
     idle_s: float = 0.0
     # Slot occupancy: sequences decoded per step, summed over steps and over their seconds.
     decode_steps: int = 0
+    decode_s: float = 0.0
     busy_slot_steps: int = 0
     busy_slot_s: float = 0.0
     weight_updates: int = 0
@@ -113,6 +114,7 @@ class ActorStats:
     def count_step(self, decoded: int, seconds: float) -> None:
         """One engine step that decoded `decoded` sequences in `seconds`."""
         self.decode_steps += 1
+        self.decode_s += seconds
         self.busy_slot_steps += decoded
         self.busy_slot_s += decoded * seconds
 
@@ -122,10 +124,13 @@ class ActorStats:
             "tokens_per_s": self.generated_tokens / elapsed,
             "idle_frac": self.idle_s / elapsed,
             # Of the slots the engine's steps could have decoded, the share they did (a
-            # draining batch lowers it); and of capacity x wall-clock, the share busy decoding
-            # (lowered too by time with no step: waiting for weights, scoring, admission).
+            # draining batch lowers it); of capacity x wall-clock, the share busy decoding,
+            # bounded by the share of wall-clock in decode steps (time with no step: waiting
+            # for weights, scoring, admission). Slot time weighs a step by its seconds, so it
+            # can exceed the per-step occupancy where a full step takes longer than a drained one.
             "slot_occupancy": self.busy_slot_steps / max(capacity * self.decode_steps, 1),
             "slot_time_frac": self.busy_slot_s / (capacity * elapsed),
+            "decode_time_frac": self.decode_s / elapsed,
             "weight_updates": self.weight_updates,
             "last_update_pause_s": self.last_update_pause_s,
             "mean_update_pause_s": self.total_update_pause_s / max(self.weight_updates, 1),
