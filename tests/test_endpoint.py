@@ -4,6 +4,7 @@ log-probs and per-token versions, requests joining the actor's batch, bad reques
 from __future__ import annotations
 
 import math
+import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -230,3 +231,82 @@ def test_answers_are_kept_by_session_until_collected_and_only_the_newest_session
     for session in ("a", "b", "c"):
         ask(session, [3])
     assert endpoint.take_session("a") == [] and len(endpoint.take_session("c")) == 1
+
+
+def _wait_for(condition: Any, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_client_gone_before_its_request_is_taken_is_dropped_from_the_queue() -> None:
+    endpoint = _endpoint()  # no driver: nothing is taken until the client has gone
+    try:
+        with pytest.raises(requests.exceptions.Timeout):
+            _generate(endpoint.url, [1, 2], timeout=0.3)
+        _wait_for(lambda: endpoint._queue.queue[0][1].abandoned)
+        assert endpoint.take(4) == [] and endpoint.aborted == 1
+    finally:
+        endpoint.close()
+
+
+def test_a_client_gone_while_its_request_decodes_is_aborted_in_the_engine() -> None:
+    """An episode past its deadline drops its HTTP request: the engine stops decoding it
+    (its slot frees) instead of running it to max_tokens for no one."""
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, capacity=4, max_seq_len=MAX_LEN, seed=1)
+    engine.load_weights(hf.state_dict(), version=0)
+    endpoint = _endpoint()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            gone = pool.submit(_generate, endpoint.url, [1, 2], timeout=0.5, max_tokens=30)
+            _wait_for(lambda: endpoint._queue.qsize() == 1)
+            (request,) = endpoint.take(4)
+            engine.add_request(request)
+            assert engine.step() == [] and engine.num_running() == 1  # decoding
+            with pytest.raises(requests.exceptions.Timeout):
+                gone.result()
+        _wait_for(lambda: endpoint.abort_abandoned(engine) == 1)
+        assert engine.num_active() == 0 and endpoint.aborted == 1 and not endpoint._waiting
+        assert engine.step() == []  # nothing comes back for it
+    finally:
+        endpoint.close()
+
+
+class _SlowEngine(TorchEngine):
+    def step(self) -> list[GenerationOutput]:
+        time.sleep(0.02)  # a real model's step: long enough for a client to give up
+        return super().step()
+
+
+def test_an_actor_aborts_a_request_whose_client_went_away_and_keeps_its_count() -> None:
+    hf = tiny_hf_model("qwen2")
+    engine = _SlowEngine(hf.config, capacity=8, max_seq_len=MAX_LEN, seed=1)
+    engine.load_weights(hf.state_dict(), version=0)
+    endpoint = _endpoint()
+    done = threading.Event()
+    # max_lag 0 and no trainer: one group of 4 runs, 4 slots stay for the endpoint.
+    actor = make_actor(engine, FakeTask(), Schedule(batch_size=4, group_size=4, max_lag=0),
+                       endpoint=endpoint, should_stop=stop_after(120, done.is_set))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            actor.run()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        with pytest.raises(requests.exceptions.Timeout):
+            _generate(endpoint.url, [1, 2], timeout=0.3, max_tokens=30)  # ~0.6 s of steps
+        _wait_for(lambda: actor.snapshot().get("endpoint_aborted") == 1)
+        patient = _generate(endpoint.url, [3, 4], max_tokens=3)
+        assert patient.status_code == 200 and len(patient.json()["choices"][0]["token_ids"]) == 3
+    finally:
+        done.set()
+        thread.join(30)
+    assert not errors and not endpoint._waiting
+    assert actor.in_flight == engine.num_active()  # every request in the engine counted once

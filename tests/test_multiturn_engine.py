@@ -155,3 +155,31 @@ def test_extend_and_release_refuse_what_is_not_parked() -> None:
     step_until(engine, "c")
     engine.release("c")
     assert engine.num_active() == 0
+
+
+def test_abort_drops_a_request_in_every_state_and_the_others_are_undisturbed() -> None:
+    """Queued, decoding, parked and parked-with-an-extension-pending requests are aborted:
+    none of them comes back, their slots free, and every other sequence gets exactly what it
+    gets alone (greedy)."""
+    hf = tiny_hf_model("llama")
+    engine = make_engine(hf, capacity=4)
+    ps = prompts(6, seed=5)
+    engine.add_request(GenerationRequest("parked", ps[0], greedy(1), hold=True))
+    engine.add_request(GenerationRequest("extending", ps[1], greedy(1), hold=True))
+    engine.add_request(GenerationRequest("decoding", ps[2], greedy(20)))
+    engine.add_request(GenerationRequest("kept", ps[3], greedy(12)))
+    engine.add_request(GenerationRequest("queued", ps[4], greedy(5)))  # no slot yet
+    first = {o.request_id for o in engine.step()}  # admits four: held ones end their turn
+    assert first == {"parked", "extending"} and engine.num_parked() == 2
+    engine.extend("extending", [1, 2], greedy(4))  # runs at the next step: aborted before
+    for rid in ("queued", "decoding", "parked", "extending"):
+        assert engine.abort(rid), rid
+        assert not engine.abort(rid), rid  # gone
+    assert engine.num_active() == 1 and engine.num_parked() == 0
+    engine.add_request(GenerationRequest("late", ps[5], greedy(6)))  # into a freed slot
+    outputs = run_to_end(engine)
+    assert set(outputs) == {"kept", "late"}
+    assert outputs["kept"].token_ids == hf_greedy(hf, ps[3], 12)
+    assert outputs["late"].token_ids == hf_greedy(hf, ps[5], 6)
+    with pytest.raises(ValueError, match="not held"):
+        engine.extend("parked", [1], greedy(1))

@@ -310,6 +310,29 @@ def test_multiturn_stop_sequence_extend_and_versions(engine_a: VllmEngine, model
         engine_a.release("mt")
 
 
+def test_abort_drops_running_and_held_requests_and_the_others_are_undisturbed(
+    engine_a: VllmEngine, models
+) -> None:
+    """A decoding request and a held one between turns are aborted: neither comes back, vLLM
+    holds no request of theirs, and the others get exactly their greedy tokens."""
+    hf = models["a"][0]
+    engine_a.add_request(GenerationRequest("held", PROMPTS[0], SamplingParams(
+        max_new_tokens=1, temperature=0.0), hold=True))
+    step_until(engine_a, "held")
+    requests = greedy_requests(8, "ab")
+    for r in requests:
+        engine_a.add_request(r)
+    engine_a.step()
+    assert engine_a.abort("ab1") and engine_a.abort("held")
+    assert not engine_a.abort("ab1") and not engine_a.abort("never")
+    done = run(engine_a, [])
+    assert set(done) == {r.request_id for r in requests} - {"ab1"}
+    for i, prompt in enumerate(PROMPTS):
+        if i != 1:
+            assert done[f"ab{i}"].token_ids == hf_greedy(hf, prompt, 8)
+    assert engine_a.num_active() == 0 and not engine_a._llm.has_unfinished_requests()
+
+
 def test_recompute_kv_on_update(engine: VllmEngine, models) -> None:
     """With recompute, the tokens after an update are pure model B given the tokens so far."""
     engine.close()  # one in-process engine at a time; this is the module's last test

@@ -300,3 +300,55 @@ def test_cache_key_follows_the_task_source(
     assert key == key_of("task_b", "")  # same contents, another path
     assert key != key_of("task_c", " + ';'")
     assert key != cache_key(TrainSplit(ChainArithmeticTask(), 0.1), FAST)
+
+
+def test_two_runs_warm_starting_one_new_entry_at_once_build_it_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs started together on a task not yet cached: the second waits for the first
+    (and says so) and takes its model, instead of training it a second time."""
+    import threading
+
+    import logging
+
+    builds: list[str] = []
+    active = [0, 0]  # now, most at once
+    waiting = threading.Event()
+
+    class SeesTheWait(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for another process building" in record.getMessage():
+                waiting.set()
+
+    def slow_build(task, cfg, base_model_dir, key, out: Path, progress) -> None:
+        active[0] += 1
+        active[1] = max(active)
+        waiting.wait(10)  # the other run is at the lock, however late it came
+        out.mkdir()
+        (out / ws.MANIFEST).write_text("{}")
+        builds.append(threading.current_thread().name)
+        active[0] -= 1
+
+    monkeypatch.setattr(ws, "_build", slow_build)
+    start = threading.Barrier(2)
+    results: list[Path] = []
+
+    def run() -> None:
+        start.wait()
+        results.append(warm_start(ChainArithmeticTask(), FAST, cache_dir=tmp_path, progress=False))
+
+    threads = [threading.Thread(target=run, name=f"run{i}") for i in range(2)]
+    handler = SeesTheWait()
+    logger = logging.getLogger("pipelinerl.cache")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(20)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert waiting.is_set() and len(builds) == 1 and active[1] == 1
+    assert len(results) == 2 and results[0] == results[1]

@@ -288,6 +288,8 @@ class Actor:
         if self.rollouts is not None:
             elapsed = time.monotonic() - self.stats.started_at
             stats.update(self.rollouts.stats.snapshot(elapsed, self.engine.capacity))
+        if self.endpoint is not None:
+            stats["endpoint_aborted"] = self.endpoint.aborted
         return stats
 
     def maybe_heartbeat(self) -> None:
@@ -348,9 +350,12 @@ class Actor:
         return False
 
     def serve(self) -> None:
-        """Add the endpoint's waiting requests to the engine, ahead of new groups (their
-        tokens are not trained: no admission place)."""
-        if self.endpoint is None or self.needs_weights:
+        """Abort the endpoint's requests whose client went away; add its waiting ones to the
+        engine, ahead of new groups (their tokens are not trained: no admission place)."""
+        if self.endpoint is None:
+            return
+        self.in_flight -= self.endpoint.abort_abandoned(self.engine)
+        if self.needs_weights:
             return
         for request in self.endpoint.take(self.engine.capacity - self.in_flight):
             self.engine.add_request(request)

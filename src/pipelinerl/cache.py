@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def user_cache(sub: str) -> Path:
@@ -32,5 +35,9 @@ def building(entry: Path) -> Iterator[None]:
     locks.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(str(entry.absolute()).encode()).hexdigest()[:16]
     with (locks / f"{entry.name}-{key}.lock").open("w") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", entry)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         yield

@@ -23,7 +23,9 @@ The server (aiohttp) runs on its own thread and event loop; the actor's loop, wh
 engine, takes requests from a bounded queue between two decode steps (`take`) and hands back
 finished ones (`finish`). A request thus joins the engine's continuous batching like the
 actor's own, and a weight update lands between two of its tokens, stamped in `versions`. A
-malformed request gets a 400, a full queue a 503, a stopping actor a 503: never a crash.
+malformed request gets a 400, a full queue a 503, a stopping actor a 503: never a crash. A
+client that goes away (an episode past its deadline) has its request dropped from the queue,
+or aborted in the engine (`abort_abandoned`), rather than decoded to its end for no one.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from pipelinerl.engine.base import Engine
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,7 @@ class _Waiting:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     session: str | None = None
+    abandoned: bool = False  # its client went away
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class GenerateEndpoint:
         self.host = host
         self._queue: queue.Queue[tuple[GenerationRequest, _Waiting]] = queue.Queue(max_pending)
         self._waiting: dict[str, _Waiting] = {}  # in the engine, by request id
+        self._abandoned: set[str] = set()  # of those, the ones whose client went away
+        self.aborted = 0  # requests dropped for a client gone, before or during decoding
         self._sessions: OrderedDict[str, list[Answer]] = OrderedDict()
         self._max_sessions = max_sessions
         self._ids = itertools.count()
@@ -124,9 +132,24 @@ class GenerateEndpoint:
             except queue.Empty:
                 break
             with self._lock:
+                if waiting.abandoned:
+                    self.aborted += 1
+                    continue
                 self._waiting[request.request_id] = waiting
             taken.append(request)
         return taken
+
+    def abort_abandoned(self, engine: Engine) -> int:
+        """Abort in `engine` the requests taken from here whose client went away; return
+        how many (the caller's in-flight count drops by as many)."""
+        with self._lock:
+            gone = [rid for rid in self._abandoned if self._waiting.pop(rid, None) is not None]
+            self._abandoned.clear()
+        for rid in gone:
+            if not engine.abort(rid):
+                raise RuntimeError(f"endpoint request {rid!r} is neither finished nor in the engine")
+        self.aborted += len(gone)
+        return len(gone)
 
     def finish(self, out: GenerationOutput) -> bool:
         """Answer the request `out` finishes; False if it is not the endpoint's."""
@@ -134,7 +157,7 @@ class GenerateEndpoint:
             waiting = self._waiting.pop(out.request_id, None)
         if waiting is None:
             return False
-        if waiting.session is not None:
+        if waiting.session is not None and not waiting.abandoned:
             self._keep(waiting.session, Answer(out.token_ids, out.logprobs, out.versions))
         waiting.loop.call_soon_threadsafe(_resolve, waiting.future, self._response(out))
         return True
@@ -175,7 +198,8 @@ class GenerateEndpoint:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/inference/v1/generate", self._generate)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A client's disconnect cancels its handler, so its request can be aborted.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         try:
             self._loop.run_until_complete(self._runner.setup())
             site = web.TCPSite(self._runner, self.host, port)
@@ -220,7 +244,14 @@ class GenerateEndpoint:
                 self._queue.put_nowait((request, waiting))
             except queue.Full:
                 return _error(503, f"{self._queue.maxsize} requests are waiting already")
-        response = await waiting.future
+        try:
+            response = await waiting.future
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            with self._lock:
+                waiting.abandoned = True
+                if request.request_id in self._waiting:
+                    self._abandoned.add(request.request_id)
+            raise
         if response is None:
             return _error(503, "the actor stopped before the request finished")
         return web.json_response(response)

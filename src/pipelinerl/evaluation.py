@@ -177,6 +177,7 @@ def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: Episod
     tallies = [_Tally(mode.attempts) for mode in modes]
     left = len(modes) * len(problems)
     while left:
+        endpoint.abort_abandoned(engine)
         for request in endpoint.take(engine.capacity - engine.num_active()):
             engine.add_request(request)
         if not engine.num_active():

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from pipelinerl.cache import user_cache
+from pipelinerl.cache import building, user_cache
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
 from pipelinerl.models.sources import file_sha256
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
@@ -163,6 +163,16 @@ def warm_start(
     if (out / MANIFEST).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Two runs started together on a new cache entry: the second waits, then takes the first's.
+    with building(out):
+        if not (out / MANIFEST).is_file():
+            _build(task, cfg, base_model_dir, key, out, progress)
+    return out
+
+
+def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | Path | None,
+           key: str, out: Path, progress: bool) -> None:
+    """Train the warm-started model and save it, with its manifest, as `out`."""
     # Build in a private directory and rename at the end, so a crash or a concurrent run
     # never leaves a half-written model where the cache looks for a finished one.
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -223,7 +233,6 @@ def warm_start(
     finally:
         torch.set_num_threads(prev_threads)
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 @contextmanager

@@ -38,6 +38,12 @@ class Engine(Protocol):
         """End a held request whose turn `step()` returned: its slot and cache are freed."""
         ...
 
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (queued, decoding, held between turns): no output
+        comes back for it, and its slot and cache are freed (an endpoint's client that went
+        away). False if the engine does not hold it (it finished, or was never added)."""
+        ...
+
     def num_active(self) -> int: ...
 
     def num_running(self) -> int:

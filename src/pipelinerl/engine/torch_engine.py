@@ -231,6 +231,25 @@ class TorchEngine:
                 raise ValueError(f"request {request_id!r} is being extended")
             self._free([slot])
 
+    def abort(self, request_id: str) -> bool:
+        """Drop `request_id` wherever it is (queued, decoding, parked, waiting to be
+        extended): no output comes back for it and its slot is freed. False if the engine
+        does not hold it (it finished, or was never added)."""
+        with self._lock:
+            queued = [r for r in self._queue if r.request_id == request_id]
+            if queued:
+                self._queue.remove(queued[0])
+                return True
+            self._extends = deque(e for e in self._extends if e[0] != request_id)
+            slot = next((s for s, r in enumerate(self._requests)
+                         if r is not None and r.request_id == request_id), None)
+            if slot is None:
+                return False
+            if slot < self._n:  # decoding: out of the active slots first
+                slot, = self._deactivate([slot])
+            self._free([slot])
+            return True
+
     def _parked_slot(self, request_id: str) -> int:
         for slot in self._parked.nonzero().flatten().tolist():
             if self._requests[slot].request_id == request_id:

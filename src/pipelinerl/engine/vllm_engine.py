@@ -283,6 +283,19 @@ class VllmEngine:
         if self._held.pop(request_id, None) is None:
             raise ValueError(f"request {request_id!r} is not held after a finished turn")
 
+    def abort(self, request_id: str) -> bool:
+        """See `Engine.abort`."""
+        if self._held.pop(request_id, None) is not None:
+            return True
+        vllm_id = next((v for v, seq in self._active.items()
+                        if seq.request.request_id == request_id), None)
+        if vllm_id is None:
+            return False
+        with self._lock:
+            self._llm.abort_request([vllm_id])
+        del self._active[vllm_id]
+        return True
+
     def step(self) -> list[GenerationOutput]:
         if not self._active:
             return []
