@@ -12,7 +12,9 @@ are CLOCK_MONOTONIC). Weights are fp32, Qwen2-shaped (q/k/v/o, gate/up/down, nor
 embedding and head), at ~1M, ~10M and ~50M parameters.
 
 Run: `python benchmarks/weight_sync.py` (writes the `weight_sync` section of RESULTS.md) or
-`--quick`.
+`--quick`. `--cast`: instead, a float32 trainer's weights to a bfloat16 engine through shm, sent
+as float32 and cast on receipt against cast by the sender (`CastWeights`, what the trainer
+publishes since), at SmolLM2's size (the `weight_sync_cast` section).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ SIZES = {
     "10M": Shape(384, 6, 1152, 6, 2),
     "50M": Shape(768, 7, 2304, 12, 4),
 }
+SMOLLM2 = Shape(576, 30, 1536, 9, 3, vocab=49152)  # its shapes (plus q/k/v biases)
+CASTS = ["float32 channel, cast on receipt", "bfloat16 channel (CastWeights)"]
 BROADCASTS = {"gloo 16 MB buckets": (16.0, False), "gloo 64 MB buckets": (64.0, False),
               "gloo per parameter": (64.0, True)}
 CHANNELS = ["shm", *BROADCASTS]
@@ -171,13 +175,110 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, lis
     return times
 
 
+def cast_receiver_main(conn: Connection, shape: Shape, run_ids: list[str], shm_dir: str) -> None:
+    """The engine's side: bfloat16 targets, filled from either channel."""
+    from pipelinerl.sync.shm import ShmWeightReceiver
+
+    torch.set_num_threads(1)
+    targets = {n: t.to(torch.bfloat16) for n, t in shape.tensors(fill=False).items()}
+    targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
+    receivers = [ShmWeightReceiver(run_id, shm_dir) for run_id in run_ids]
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        which, version = msg
+        while receivers[which].poll() != version:
+            time.sleep(0.0002)
+        t0 = time.perf_counter()
+        receivers[which].receive_into(targets)
+        done = time.perf_counter()
+        conn.send((done, done - t0))
+    for receiver in receivers:
+        receiver.close()
+
+
+def bench_cast(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, list[float]]]:
+    from pipelinerl.sync.base import CastWeights
+    from pipelinerl.sync.shm import ShmWeightSender
+
+    weights = shape.tensors(fill=True)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied, as in SmolLM2
+    run_ids = [f"bench-cast-{i}-{os.getpid()}" for i in range(len(CASTS))]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=cast_receiver_main, args=(child, shape, run_ids, shm_dir), daemon=True)
+    proc.start()
+    senders = [ShmWeightSender(run_id, shm_dir) for run_id in run_ids]
+    times: dict[str, dict[str, list[float]]] = {
+        k: {"e2e": [], "publish": [], "receive": []} for k in CASTS}
+    try:
+        assert parent.recv() == "ready"
+        for version in range(reps + 1):  # update 0 warms up buffers and mappings
+            for which in (0, 1) if version % 2 else (1, 0):  # alternate which goes first
+                sent = weights if which == 0 else CastWeights(weights, torch.bfloat16)
+                t0 = time.perf_counter()
+                senders[which].publish(sent, version)
+                published = time.perf_counter()
+                parent.send((which, version))
+                done, receive_s = parent.recv()
+                if version:
+                    t = times[CASTS[which]]
+                    t["e2e"].append(done - t0)
+                    t["publish"].append(published - t0)
+                    t["receive"].append(receive_s)
+        parent.send(None)
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        for sender in senders:
+            sender.close()
+    return times
+
+
+def render_cast(load: tuple[float, float, float], shape: Shape, reps: int,
+                times: dict[str, dict[str, list[float]]]) -> str:
+    n = shape.numel - shape.vocab * shape.hidden  # the head is the embedding
+    rows = []
+    base = statistics.median(times[CASTS[0]]["e2e"])
+    for name, t in times.items():
+        e2e = statistics.median(t["e2e"])
+        mb = (4 if name == CASTS[0] else 2) * n / 1e6
+        rows.append([f"{n / 1e6:.1f}M", name, f"{mb:.0f}", f"**{1e3 * e2e:.1f}**",
+                     f"{1e3 * statistics.median(t['publish']):.1f}",
+                     f"{1e3 * statistics.median(t['receive']):.1f}", f"{base / e2e:.2f}x"])
+    return (
+        "## Weight sync into a bfloat16 engine: cast by the sender or on receipt "
+        "(`benchmarks/weight_sync.py --cast`)\n\n"
+        + _results.environment(load)
+        + f"\nA float32 trainer's weights (SmolLM2-135M's shapes, head tied: {n / 1e6:.1f}M "
+        "parameters) to an engine holding bfloat16, through the shared-memory channel: "
+        "sender in this process, receiver (bfloat16 targets) in another, the two channels "
+        f"alternating, median of {reps} updates after one warm-up. end-to-end = `publish` until "
+        "the receiver's `receive_into` is done. Either way the engine ends with the same values "
+        "(tests/test_sync.py). Times in ms; speed-up against casting on receipt.\n\n"
+        + _results.table(["params", "channel", "MB held in /dev/shm", "end-to-end ms",
+                          "publish ms", "receive_into ms", "speed-up"], rows)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds; no RESULTS.md")
     parser.add_argument("--out", type=Path, help="write the section to this file instead")
+    parser.add_argument("--cast", action="store_true",
+                        help="float32 weights to a bfloat16 engine: cast by the sender or on receipt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = _results.load_average()
+    if args.cast:
+        reps = 2 if args.quick else 10
+        with tempfile.TemporaryDirectory(prefix="bench-sync-", dir="/dev/shm") as shm_dir:
+            shape = SIZES["1M"] if args.quick else SMOLLM2
+            section = render_cast(load, shape, reps, bench_cast(shape, reps, shm_dir))
+        print(section)
+        if args.out or not args.quick:
+            _results.write_section("weight_sync_cast", section, args.out or _results.RESULTS)
+        return
     reps = {"1M": 3} if args.quick else {"1M": 30, "10M": 15, "50M": 8}
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-sync-", dir="/dev/shm") as shm_dir:

@@ -43,6 +43,7 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
         ("engine.py", "engine", "| model | params | torch engine tok/s"),
         ("trainer.py", "trainer", "| model | params | path | tok/s"),
         ("weight_sync.py", "weight_sync", "| params | MB | channel"),
+        ("weight_sync.py --cast", "weight_sync_cast", "| params | channel | MB held in /dev/shm"),
         ("scoring.py", "scoring", "| verifier | verifier processes"),
         # SmolLM2, prepared into the user cache (tests/test_real_model.py does it too).
         ("real_model.py", "real_model", "| max new tokens | dtype | torch engine tok/s"),
@@ -58,8 +59,9 @@ def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str
     before = results.read_text() if results.exists() else None
     out = tmp_path / "RESULTS.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    name, *options = script.split()
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+        [sys.executable, str(BENCHMARKS / name), *options, "--quick", "--out", str(out)],
         check=False, capture_output=True, text=True, env=env, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

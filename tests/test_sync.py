@@ -25,6 +25,7 @@ from pipelinerl.sync import (
     make_sender,
 )
 from pipelinerl.sync import shm as shm_mod
+from pipelinerl.sync.base import CastWeights
 from pipelinerl.sync.layout import WeightLayout
 from pipelinerl.sync.shm import shm_path
 
@@ -511,9 +512,13 @@ def _big_receiver(init: str, actor_id: int, versions: list[int], q: Any,
         q.put(("error", f"actor {actor_id}: {e}"))
 
 
-@pytest.mark.parametrize("bucket_mb", [64.0, 4.0])  # one bucket; eight, two in flight
+@pytest.mark.parametrize(("bucket_mb", "cast"), [
+    (64.0, False),  # one bucket
+    (4.0, False),  # eight, two in flight
+    (4.0, True),  # a trainer's weights cast to a bfloat16 engine's dtype: sent again as well
+])
 def test_broadcast_member_killed_mid_transfer_is_restarted_and_the_version_sent_again(
-        bucket_mb: float) -> None:
+        bucket_mb: float, cast: bool) -> None:
     """The race behind a flaky reliability test: an actor killed inside the weight broadcast.
     The trainer waits for its restart, forms the group again and sends the same version to
     every member; the survivor returns only once, with the whole version."""
@@ -532,15 +537,19 @@ def test_broadcast_member_killed_mid_transfer_is_restarted_and_the_version_sent_
         restarted.start()
 
     watcher = threading.Thread(target=launcher)
+
+    def weights(v: int) -> Any:  # whole numbers: exact in bfloat16 too
+        return CastWeights(_big_weights(v), torch.bfloat16) if cast else _big_weights(v)
+
     try:
-        sender.publish(_big_weights(1), 1)
+        sender.publish(weights(1), 1)
         assert _get(q_survivor) == (0, 1, True) and _get(q_doomed) == (1, 1, True)
         watcher.start()
-        sender.publish(_big_weights(2), 2)  # the doomed actor dies inside this transfer
+        sender.publish(weights(2), 2)  # the doomed actor dies inside this transfer
         assert doomed.exitcode == 7 and sender.epoch == 1
         assert _get(q_survivor) == (0, 2, True)
         assert _get(q_new) == (1, 2, True)
-        sender.publish(_big_weights(3), 3)
+        sender.publish(weights(3), 3)
         assert (_get(q_survivor), _get(q_new)) == ((0, 3, True), (1, 3, True))
         sender.close()
         assert (_get(q_survivor), _get(q_new)) == ((0, "closed"), (1, "closed"))
@@ -786,3 +795,66 @@ def test_streamed_weights_are_sent_one_tensor_at_a_time_broadcast() -> None:
     finally:
         sender.close()
         _reap(actor)
+
+
+def test_weights_cast_to_the_engine_dtype_halve_the_channel_and_arrive_as_the_engine_rounds_them(
+) -> None:
+    """A float32 trainer publishing to bfloat16 engines: the channel holds bfloat16 (half the
+    floating bytes, ties kept, one tensor cast at a time), and an engine receives the very
+    values it would have rounded float32 weights to."""
+    run_id = _run_id()
+    sender = ShmWeightSender(run_id)
+    receiver = ShmWeightReceiver(run_id)
+    try:
+        for v in (1, 2):
+            cast = CastWeights(_weights(v), torch.bfloat16)
+            sender.publish(cast, v)
+            bf16, fp32 = _targets(torch.bfloat16), _targets(torch.float32)
+            assert receiver.receive_into(bf16) == v and receiver.receive_into(fp32) == v
+            _assert_same(bf16, v)  # what casting float32 weights on receipt gives
+            for name, t in fp32.items():
+                assert torch.equal(t, _weights(v)[name].to(torch.bfloat16).float()), name
+        assert {s.dtype for s in sender._layout.slots} == {torch.bfloat16}
+        assert len(sender._layout.slots) == len(_weights(0)) - 1  # embed and head tied
+        plain = WeightLayout.from_weights(_weights(0))
+        floats32 = sum(s.nbytes for s in plain.slots if s.dtype == torch.float32)
+        assert (sum(s.nbytes for s in plain.slots) - sum(s.nbytes for s in sender._layout.slots)
+                == floats32 // 2)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _Recording:
+    """A sender that keeps what each publish handed it (layout and tensors, walked once)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[WeightLayout, list[torch.Tensor]]] = []
+
+    def publish(self, weights: Any, version: int) -> None:
+        from pipelinerl.sync.base import open_weights
+
+        layout, sources, _ = open_weights(weights, None)
+        self.published.append((layout, [t.clone() for t in sources]))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("engine_dtype", ["bfloat16", "float32"])
+def test_an_unsharded_trainer_publishes_in_the_engine_dtype(engine_dtype: str) -> None:
+    from pipelinerl.config import load_config
+    from pipelinerl.trainer import Trainer, trainer_weights
+    from tiny_models import tiny_hf_model
+
+    cfg = load_config(overrides=["model.path=unused", f"engine.dtype={engine_dtype}"])
+    sender = _Recording()
+    trainer = Trainer(cfg, tiny_hf_model("qwen2", seed=1).train(), source=None, sender=sender)
+    trainer.maybe_publish()  # step 0: every step publishes
+    (layout, tensors), = sender.published
+    dtype = getattr(torch, engine_dtype)
+    assert {s.dtype for s in layout.slots} == {dtype}
+    master = trainer_weights(trainer.model)  # float32: the trainer's own
+    assert {t.dtype for t in master.values()} == {torch.float32}
+    for slot, t in zip(layout.slots, tensors, strict=True):
+        assert torch.equal(t, master[slot.names[0]].to(dtype)), slot.names

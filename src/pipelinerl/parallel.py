@@ -218,6 +218,8 @@ class GatheredWeights:
     their gather, so a bf16 engine gets bf16 weights (half the float32 master's bytes gathered,
     sent and held by the channel); the actors would cast them on receipt anyway."""
 
+    replayable = False  # each walk is a collective of every rank
+
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
         # A forward without a backward leaves the root's weights gathered (FSDP2 keeps the

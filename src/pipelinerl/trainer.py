@@ -36,7 +36,7 @@ from pipelinerl.parallel import (
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.streams.base import StreamReader
-from pipelinerl.sync.base import WeightSender
+from pipelinerl.sync.base import CastWeights, WeightSender
 from pipelinerl.types import HEARTBEAT_S, Group, Sample
 
 log = logging.getLogger(__name__)
@@ -366,15 +366,16 @@ class Trainer:
 
     def _publish(self) -> None:
         t0 = time.monotonic()
+        # In the engines' dtype: what they hold, half of float32's bytes for bf16.
+        dtype = getattr(torch, self.cfg.engine.dtype)
         if is_sharded(self.model):
-            # Gathered in the engines' dtype: what they hold, half of float32's bytes for bf16.
-            weights = GatheredWeights(self.model, dtype=getattr(torch, self.cfg.engine.dtype))
+            weights = GatheredWeights(self.model, dtype=dtype)
             if self.sender is None:
                 weights.drain()
             else:
                 self.sender.publish(weights, self.step)
         elif self.sender is not None:
-            self.sender.publish(trainer_weights(self.model), self.step)
+            self.sender.publish(CastWeights(trainer_weights(self.model), dtype), self.step)
         self.publish_s = time.monotonic() - t0
         self.published_version = self.step
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -22,11 +23,38 @@ class StreamedWeights(Protocol):
 
     layout: WeightLayout
     device: torch.device  # where the yielded tensors live
+    # Whether `tensors()` may be walked again (a failed transfer sent anew): not where each
+    # walk is a collective of every trainer rank.
+    replayable: bool
 
     def tensors(self) -> Iterator[torch.Tensor]: ...
 
 
 Weights = Mapping[str, torch.Tensor] | StreamedWeights
+
+
+def replayable(weights: Weights) -> bool:
+    return isinstance(weights, Mapping) or weights.replayable
+
+
+class CastWeights:
+    """`weights` with their floating tensors cast to `dtype` (the engines'), one tensor at a
+    time as the sender asks: a bfloat16 engine gets bfloat16 weights from a float32 trainer,
+    half the bytes moved and held by the channel, and no whole second copy on the trainer. The
+    engine would round them to its dtype on receipt anyway: the same values arrive."""
+
+    replayable = True
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        own = WeightLayout.from_weights(weights)  # ties, from the tensors' storage
+        self._sources = own.sources(weights)
+        self.layout = WeightLayout([
+            replace(p, dtype=dtype if p.dtype.is_floating_point else p.dtype) for p in own.params])
+        self.device = self._sources[0].device if self._sources else torch.device("cpu")
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for source, slot in zip(self._sources, self.layout.slots, strict=True):
+            yield source.to(slot.dtype)
 
 
 def open_weights(weights: Weights, first: WeightLayout | None

@@ -85,7 +85,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from pipelinerl.sync.base import Weights, open_weights
+from pipelinerl.sync.base import Weights, open_weights, replayable
 from pipelinerl.sync.layout import WeightLayout
 
 logger = logging.getLogger(__name__)
@@ -392,7 +392,7 @@ class BroadcastWeightSender(_Channel):
         tell them to abort and raise."""
         assert self.store is not None
         done = self._key(f"done/{version}")
-        if not isinstance(weights, Mapping):
+        if not replayable(weights):
             for _ in sources:  # the other trainer ranks finish their gathers rather than hang
                 pass
             reason = f"{error}; streamed (sharded) weights cannot be sent again"
