@@ -12,9 +12,9 @@ are CLOCK_MONOTONIC). Weights are fp32, Qwen2-shaped (q/k/v/o, gate/up/down, nor
 embedding and head), at ~1M, ~10M and ~50M parameters.
 
 Run: `python benchmarks/weight_sync.py` (writes the `weight_sync` section of RESULTS.md) or
-`--quick`. `--cast`: instead, a float32 trainer's weights to a bfloat16 engine through shm, sent
-as float32 and cast on receipt against cast by the sender (`CastWeights`, what the trainer
-publishes since), at SmolLM2's size (the `weight_sync_cast` section).
+`--quick`. `--cast`: instead, a float32 trainer's weights to a bfloat16 engine through shm and
+gloo, sent as float32 and cast on receipt against cast by the sender (`CastWeights`, what the
+trainer publishes since), at SmolLM2's size (the `weight_sync_cast` section).
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ SIZES = {
     "50M": Shape(768, 7, 2304, 12, 4),
 }
 SMOLLM2 = Shape(576, 30, 1536, 9, 3, vocab=49152)  # its shapes (plus q/k/v biases)
-CASTS = ["float32 channel, cast on receipt", "bfloat16 channel (CastWeights)"]
+# (channel, cast by the sender): float32 weights to a bfloat16 engine
+CASTS = {"shm, float32 (cast on receipt)": ("shm", False), "shm, bfloat16 (CastWeights)": ("shm", True),
+         "gloo 64 MB buckets, float32 (cast on receipt)": ("gloo", False),
+         "gloo 64 MB buckets, bfloat16 (CastWeights)": ("gloo", True)}
 BROADCASTS = {"gloo 16 MB buckets": (16.0, False), "gloo 64 MB buckets": (64.0, False),
               "gloo per parameter": (64.0, True)}
 CHANNELS = ["shm", *BROADCASTS]
@@ -175,21 +178,25 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, lis
     return times
 
 
-def cast_receiver_main(conn: Connection, shape: Shape, run_ids: list[str], shm_dir: str) -> None:
-    """The engine's side: bfloat16 targets, filled from either channel."""
+def cast_receiver_main(conn: Connection, shape: Shape, run_ids: list[str], shm_dir: str,
+                       ports: list[int]) -> None:
+    """The engine's side: bfloat16 targets (head tied), filled from any channel."""
+    from pipelinerl.sync.broadcast import BroadcastWeightReceiver
     from pipelinerl.sync.shm import ShmWeightReceiver
 
     torch.set_num_threads(1)
     targets = {n: t.to(torch.bfloat16) for n, t in shape.tensors(fill=False).items()}
     targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
     receivers = [ShmWeightReceiver(run_id, shm_dir) for run_id in run_ids]
+    receivers += [BroadcastWeightReceiver(f"tcp://127.0.0.1:{port}", 0, 1) for port in ports]
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         which, version = msg
-        while receivers[which].poll() != version:
+        receiver = receivers[which]
+        while receiver.poll() != version:
             time.sleep(0.0002)
         t0 = time.perf_counter()
-        receivers[which].receive_into(targets)
+        receiver.receive_into(targets)
         done = time.perf_counter()
         conn.send((done, done - t0))
     for receiver in receivers:
@@ -198,31 +205,46 @@ def cast_receiver_main(conn: Connection, shape: Shape, run_ids: list[str], shm_d
 
 def bench_cast(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, list[float]]]:
     from pipelinerl.sync.base import CastWeights
+    from pipelinerl.sync.broadcast import BroadcastWeightSender
     from pipelinerl.sync.shm import ShmWeightSender
 
     weights = shape.tensors(fill=True)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied, as in SmolLM2
-    run_ids = [f"bench-cast-{i}-{os.getpid()}" for i in range(len(CASTS))]
+    channels = list(CASTS.values())
+    run_ids = [f"bench-cast-{i}-{os.getpid()}" for i, (kind, _) in enumerate(channels) if kind == "shm"]
+    ports = [free_port() for kind, _ in channels if kind == "gloo"]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=cast_receiver_main, args=(child, shape, run_ids, shm_dir), daemon=True)
+    proc = ctx.Process(target=cast_receiver_main, args=(child, shape, run_ids, shm_dir, ports),
+                       daemon=True)
     proc.start()
+    # In the receiver's order: the shm ones, then the broadcasts (each waits for its peer).
     senders = [ShmWeightSender(run_id, shm_dir) for run_id in run_ids]
+    senders += [BroadcastWeightSender(f"tcp://127.0.0.1:{port}", 1, bucket_mb=64.0)
+                for port in ports]
     times: dict[str, dict[str, list[float]]] = {
         k: {"e2e": [], "publish": [], "receive": []} for k in CASTS}
     try:
         assert parent.recv() == "ready"
+        order = list(range(len(channels)))
         for version in range(reps + 1):  # update 0 warms up buffers and mappings
-            for which in (0, 1) if version % 2 else (1, 0):  # alternate which goes first
-                sent = weights if which == 0 else CastWeights(weights, torch.bfloat16)
-                t0 = time.perf_counter()
-                senders[which].publish(sent, version)
-                published = time.perf_counter()
-                parent.send((which, version))
+            for which in order[version % len(order):] + order[:version % len(order)]:
+                kind, cast = channels[which]
+                sent = CastWeights(weights, torch.bfloat16) if cast else weights
+                if kind == "shm":
+                    t0 = time.perf_counter()
+                    senders[which].publish(sent, version)
+                    published = time.perf_counter()
+                    parent.send((which, version))
+                else:
+                    parent.send((which, version))
+                    t0 = time.perf_counter()
+                    senders[which].publish(sent, version)
+                    published = time.perf_counter()
                 done, receive_s = parent.recv()
                 if version:
-                    t = times[CASTS[which]]
-                    t["e2e"].append(done - t0)
+                    t = times[list(CASTS)[which]]
+                    t["e2e"].append(max(done, published) - t0)
                     t["publish"].append(published - t0)
                     t["receive"].append(receive_s)
         parent.send(None)
@@ -239,24 +261,26 @@ def render_cast(load: tuple[float, float, float], shape: Shape, reps: int,
                 times: dict[str, dict[str, list[float]]]) -> str:
     n = shape.numel - shape.vocab * shape.hidden  # the head is the embedding
     rows = []
-    base = statistics.median(times[CASTS[0]]["e2e"])
     for name, t in times.items():
+        kind, cast = CASTS[name]
+        base = statistics.median(times[next(k for k, v in CASTS.items() if v == (kind, False))]["e2e"])
         e2e = statistics.median(t["e2e"])
-        mb = (4 if name == CASTS[0] else 2) * n / 1e6
-        rows.append([f"{n / 1e6:.1f}M", name, f"{mb:.0f}", f"**{1e3 * e2e:.1f}**",
-                     f"{1e3 * statistics.median(t['publish']):.1f}",
+        rows.append([f"{n / 1e6:.1f}M", name, f"{(2 if cast else 4) * n / 1e6:.0f}",
+                     f"**{1e3 * e2e:.1f}**", f"{1e3 * statistics.median(t['publish']):.1f}",
                      f"{1e3 * statistics.median(t['receive']):.1f}", f"{base / e2e:.2f}x"])
     return (
         "## Weight sync into a bfloat16 engine: cast by the sender or on receipt "
         "(`benchmarks/weight_sync.py --cast`)\n\n"
         + _results.environment(load)
         + f"\nA float32 trainer's weights (SmolLM2-135M's shapes, head tied: {n / 1e6:.1f}M "
-        "parameters) to an engine holding bfloat16, through the shared-memory channel: "
-        "sender in this process, receiver (bfloat16 targets) in another, the two channels "
-        f"alternating, median of {reps} updates after one warm-up. end-to-end = `publish` until "
-        "the receiver's `receive_into` is done. Either way the engine ends with the same values "
-        "(tests/test_sync.py). Times in ms; speed-up against casting on receipt.\n\n"
-        + _results.table(["params", "channel", "MB held in /dev/shm", "end-to-end ms",
+        "parameters) to an engine holding bfloat16: sent as float32 and cast by the engine on "
+        "receipt, or cast by the sender as it copies into the channel (`CastWeights`, what the "
+        "trainer does since). Sender in this process, receiver (bfloat16 targets) in another, "
+        f"channels round-robin, median of {reps} updates after one warm-up. end-to-end = "
+        "`publish` until the receiver's `receive_into` is done (gloo: from the announcement, "
+        "handshake included). Either way the engine ends with the same values "
+        "(tests/test_sync.py). Times in ms; speed-up against the same channel in float32.\n\n"
+        + _results.table(["params", "channel", "MB sent and held", "end-to-end ms",
                           "publish ms", "receive_into ms", "speed-up"], rows)
     )
 

@@ -826,7 +826,8 @@ def test_weights_cast_to_the_engine_dtype_halve_the_channel_and_arrive_as_the_en
 
 
 class _Recording:
-    """A sender that keeps what each publish handed it (layout and tensors, walked once)."""
+    """A sender that keeps what each publish handed it: the layout, and each tensor cast to
+    its dtype, as the real senders copy it into the channel."""
 
     def __init__(self) -> None:
         self.published: list[tuple[WeightLayout, list[torch.Tensor]]] = []
@@ -835,7 +836,8 @@ class _Recording:
         from pipelinerl.sync.base import open_weights
 
         layout, sources, _ = open_weights(weights, None)
-        self.published.append((layout, [t.clone() for t in sources]))
+        self.published.append((layout, [t.to(s.dtype, copy=True)
+                                        for t, s in zip(sources, layout.slots, strict=True)]))
 
     def close(self) -> None:
         pass

@@ -16,7 +16,8 @@ class StreamedWeights(Protocol):
     """Weights handed over one tensor at a time, so the sender never holds them all at once.
 
     `layout` (names, full shapes, dtypes, ties) is known up front; `tensors()` yields one tensor
-    per slot of the layout, in slot order, each needed only until the next is asked for. A
+    per slot of the layout, in slot order, each needed only until the next is asked for; the
+    sender casts it to the layout's dtype as it copies it into the channel. A
     sharded trainer gathers each tensor on demand: a collective that every trainer rank runs
     in the same order (`pipelinerl.parallel.GatheredWeights`).
     """
@@ -38,10 +39,11 @@ def replayable(weights: Weights) -> bool:
 
 
 class CastWeights:
-    """`weights` with their floating tensors cast to `dtype` (the engines'), one tensor at a
-    time as the sender asks: a bfloat16 engine gets bfloat16 weights from a float32 trainer,
-    half the bytes moved and held by the channel, and no whole second copy on the trainer. The
-    engine would round them to its dtype on receipt anyway: the same values arrive."""
+    """`weights` sent with their floating tensors in `dtype` (the engines'): the layout says
+    `dtype` and the sender casts each tensor as it copies it into the channel (one pass, no
+    cast copy on the trainer). A bfloat16 engine gets bfloat16 weights from a float32 trainer:
+    half the bytes moved and held by the channel. The engine would round them to its dtype on
+    receipt anyway: the same values arrive."""
 
     replayable = True
 
@@ -53,8 +55,7 @@ class CastWeights:
         self.device = self._sources[0].device if self._sources else torch.device("cpu")
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        for source, slot in zip(self._sources, self.layout.slots, strict=True):
-            yield source.to(slot.dtype)
+        return iter(self._sources)
 
 
 def open_weights(weights: Weights, first: WeightLayout | None

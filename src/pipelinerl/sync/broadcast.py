@@ -427,8 +427,9 @@ class BroadcastWeightSender(_Channel):
         n = len(self._layout.slots) if self._layout is not None else 0
         with torch.no_grad():
             if self.per_parameter:
-                for i, src in enumerate(sources):
-                    self._broadcast(src.to(self.device).contiguous(), f"tensor {i + 1}/{n}")
+                for i, (src, slot) in enumerate(zip(sources, self._layout.slots, strict=True)):
+                    self._broadcast(src.to(self.device, slot.dtype).contiguous(),
+                                    f"tensor {i + 1}/{n}")
                 return
             buckets = self._plan(bucket_bytes)
             buffers = self._bucket_buffers(buckets)
@@ -441,7 +442,7 @@ class BroadcastWeightSender(_Channel):
                 for p in pieces:
                     while current[0] != p.slot:  # in slot order; an empty slot has no piece
                         current = (current[0] + 1, next(sources).reshape(-1))
-                    dtype = current[1].dtype
+                    dtype = self._layout.slots[p.slot].dtype  # copy_ casts a source to it
                     dst = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
                     dst.copy_(current[1][p.start:p.start + p.numel])
                 in_flight[b % 2] = self._start(buf, f"bucket {b + 1}/{len(buckets)}")
