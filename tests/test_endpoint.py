@@ -276,7 +276,7 @@ def test_a_client_gone_while_its_request_decodes_is_aborted_in_the_engine() -> N
 
 class _SlowEngine(TorchEngine):
     def step(self) -> list[GenerationOutput]:
-        time.sleep(0.02)  # a real model's step: long enough for a client to give up
+        time.sleep(0.05)  # a real model's step: 30 tokens take 1.5 s, the client gives up at 0.3
         return super().step()
 
 
@@ -301,7 +301,7 @@ def test_an_actor_aborts_a_request_whose_client_went_away_and_keeps_its_count() 
     thread.start()
     try:
         with pytest.raises(requests.exceptions.Timeout):
-            _generate(endpoint.url, [1, 2], timeout=0.3, max_tokens=30)  # ~0.6 s of steps
+            _generate(endpoint.url, [1, 2], timeout=0.3, max_tokens=30)
         _wait_for(lambda: actor.snapshot().get("endpoint_aborted") == 1)
         patient = _generate(endpoint.url, [3, 4], max_tokens=3)
         assert patient.status_code == 200 and len(patient.json()["choices"][0]["token_ids"]) == 3
