@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import _results
 import torch
@@ -96,14 +97,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def receiver_main(conn: Connection, shape: Shape, run_id: str, shm_dir: str, ports: dict[str, int]) -> None:
-    """The receiving process: one receiver per channel, all filling the same target tensors."""
+def receiver_main(conn: Connection, shape: Shape, shm_dir: str, run_ids: dict[str, str],
+                  ports: dict[str, int], dtype: torch.dtype, tied: bool) -> None:
+    """The receiving process: one receiver per channel (shm by run id, broadcast by port),
+    all filling the same target tensors, in `dtype` (the engine's)."""
     from pipelinerl.sync.broadcast import BroadcastWeightReceiver
     from pipelinerl.sync.shm import ShmWeightReceiver
 
     torch.set_num_threads(1)
-    targets = shape.tensors(fill=False)
-    receivers = {"shm": ShmWeightReceiver(run_id, shm_dir)}
+    targets = {n: t.to(dtype) for n, t in shape.tensors(fill=False).items()}
+    if tied:
+        targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
+    receivers: dict[str, Any] = {name: ShmWeightReceiver(run_id, shm_dir)
+                                 for name, run_id in run_ids.items()}
     for name, port in ports.items():  # the parent builds the matching sender meanwhile
         receivers[name] = BroadcastWeightReceiver(f"tcp://127.0.0.1:{port}", 0, 1)
     conn.send("ready")
@@ -120,6 +126,31 @@ def receiver_main(conn: Connection, shape: Shape, run_id: str, shm_dir: str, por
         receiver.close()
 
 
+def timed_update(parent: Connection, name: str, sender: Any, weights: Any, version: int,
+                 shm: bool) -> tuple[float, float, float]:
+    """One update through channel `name`: (end-to-end, the sender's publish call, the
+    receiver's receive_into) in seconds. shm: publish, then tell the receiver; a broadcast:
+    tell the receiver first (it must join the transfer)."""
+    if shm:
+        t0 = time.perf_counter()
+        sender.publish(weights, version)
+        published = time.perf_counter()
+        parent.send((name, version))
+    else:
+        parent.send((name, version))
+        t0 = time.perf_counter()
+        sender.publish(weights, version)
+        published = time.perf_counter()
+    done, receive_s = parent.recv()
+    return max(done, published) - t0, published - t0, receive_s
+
+
+def rotated(names: list[str], version: int) -> list[str]:
+    """The channels in a round-robin order that moves on by one each update."""
+    k = version % len(names)
+    return names[k:] + names[:k]
+
+
 def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, list[float]]]:
     from pipelinerl.sync.broadcast import BroadcastWeightSender
     from pipelinerl.sync.shm import ShmWeightSender
@@ -127,16 +158,17 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, lis
     weights = shape.tensors(fill=True)
     src = torch.cat([t.reshape(-1) for t in weights.values()])
     dst = torch.empty_like(src)
-    run_id = f"bench-sync-{os.getpid()}"
+    run_ids = {"shm": f"bench-sync-{os.getpid()}"}
     ports = {name: free_port() for name in BROADCASTS}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, shape, run_id, shm_dir, ports), daemon=True)
+    proc = ctx.Process(target=receiver_main, daemon=True,
+                       args=(child, shape, shm_dir, run_ids, ports, torch.float32, False))
     proc.start()
-    shm = ShmWeightSender(run_id, shm_dir)
-    senders = {name: BroadcastWeightSender(f"tcp://127.0.0.1:{ports[name]}", 1, bucket_mb=mb,
-                                           per_parameter=per_param)
-               for name, (mb, per_param) in BROADCASTS.items()}  # in order: each waits for its peer
+    senders: dict[str, Any] = {"shm": ShmWeightSender(run_ids["shm"], shm_dir)}
+    senders |= {name: BroadcastWeightSender(f"tcp://127.0.0.1:{ports[name]}", 1, bucket_mb=mb,
+                                            per_parameter=per_param)
+                for name, (mb, per_param) in BROADCASTS.items()}  # in order: each waits for its peer
     # per channel: end-to-end, the sender's publish call, its broadcast alone, receive_into
     times: dict[str, dict[str, list[float]]] = {
         k: {"e2e": [], "publish": [], "transfer": [], "receive": []} for k in ["plain copy", *CHANNELS]}
@@ -148,23 +180,12 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, lis
             dst.copy_(src)
             if keep:
                 times["plain copy"]["e2e"].append(time.perf_counter() - t0)
-            for name in CHANNELS[version % len(CHANNELS):] + CHANNELS[:version % len(CHANNELS)]:
-                if name == "shm":
-                    t0 = time.perf_counter()
-                    shm.publish(weights, version)
-                    published = time.perf_counter()
-                    parent.send((name, version))
-                else:
-                    parent.send((name, version))
-                    t0 = time.perf_counter()
-                    senders[name].publish(weights, version)
-                    published = time.perf_counter()
-                done, receive_s = parent.recv()
+            for name in rotated(CHANNELS, version):
+                measured = timed_update(parent, name, senders[name], weights, version, name == "shm")
                 if keep:
                     t = times[name]
-                    t["e2e"].append(max(done, published) - t0)
-                    t["publish"].append(published - t0)
-                    t["receive"].append(receive_s)
+                    for key, value in zip(("e2e", "publish", "receive"), measured):
+                        t[key].append(value)
                     if name != "shm":
                         t["transfer"].append(senders[name].last_transfer_s)
         parent.send(None)
@@ -174,33 +195,7 @@ def bench_size(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, lis
             proc.kill()
         for sender in senders.values():
             sender.close()
-        shm.close()
     return times
-
-
-def cast_receiver_main(conn: Connection, shape: Shape, run_ids: list[str], shm_dir: str,
-                       ports: list[int]) -> None:
-    """The engine's side: bfloat16 targets (head tied), filled from any channel."""
-    from pipelinerl.sync.broadcast import BroadcastWeightReceiver
-    from pipelinerl.sync.shm import ShmWeightReceiver
-
-    torch.set_num_threads(1)
-    targets = {n: t.to(torch.bfloat16) for n, t in shape.tensors(fill=False).items()}
-    targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
-    receivers = [ShmWeightReceiver(run_id, shm_dir) for run_id in run_ids]
-    receivers += [BroadcastWeightReceiver(f"tcp://127.0.0.1:{port}", 0, 1) for port in ports]
-    conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        which, version = msg
-        receiver = receivers[which]
-        while receiver.poll() != version:
-            time.sleep(0.0002)
-        t0 = time.perf_counter()
-        receiver.receive_into(targets)
-        done = time.perf_counter()
-        conn.send((done, done - t0))
-    for receiver in receivers:
-        receiver.close()
 
 
 def bench_cast(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, list[float]]]:
@@ -210,49 +205,36 @@ def bench_cast(shape: Shape, reps: int, shm_dir: str) -> dict[str, dict[str, lis
 
     weights = shape.tensors(fill=True)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # tied, as in SmolLM2
-    channels = list(CASTS.values())
-    run_ids = [f"bench-cast-{i}-{os.getpid()}" for i, (kind, _) in enumerate(channels) if kind == "shm"]
-    ports = [free_port() for kind, _ in channels if kind == "gloo"]
+    run_ids = {name: f"bench-cast-{i}-{os.getpid()}"
+               for i, (name, (kind, _)) in enumerate(CASTS.items()) if kind == "shm"}
+    ports = {name: free_port() for name, (kind, _) in CASTS.items() if kind == "gloo"}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=cast_receiver_main, args=(child, shape, run_ids, shm_dir, ports),
-                       daemon=True)
+    proc = ctx.Process(target=receiver_main, daemon=True,
+                       args=(child, shape, shm_dir, run_ids, ports, torch.bfloat16, True))
     proc.start()
     # In the receiver's order: the shm ones, then the broadcasts (each waits for its peer).
-    senders = [ShmWeightSender(run_id, shm_dir) for run_id in run_ids]
-    senders += [BroadcastWeightSender(f"tcp://127.0.0.1:{port}", 1, bucket_mb=64.0)
-                for port in ports]
+    senders: dict[str, Any] = {name: ShmWeightSender(run_id, shm_dir) for name, run_id in run_ids.items()}
+    senders |= {name: BroadcastWeightSender(f"tcp://127.0.0.1:{port}", 1, bucket_mb=64.0)
+                for name, port in ports.items()}
     times: dict[str, dict[str, list[float]]] = {
         k: {"e2e": [], "publish": [], "receive": []} for k in CASTS}
     try:
         assert parent.recv() == "ready"
-        order = list(range(len(channels)))
         for version in range(reps + 1):  # update 0 warms up buffers and mappings
-            for which in order[version % len(order):] + order[:version % len(order)]:
-                kind, cast = channels[which]
+            for name in rotated(list(CASTS), version):
+                kind, cast = CASTS[name]
                 sent = CastWeights(weights, torch.bfloat16) if cast else weights
-                if kind == "shm":
-                    t0 = time.perf_counter()
-                    senders[which].publish(sent, version)
-                    published = time.perf_counter()
-                    parent.send((which, version))
-                else:
-                    parent.send((which, version))
-                    t0 = time.perf_counter()
-                    senders[which].publish(sent, version)
-                    published = time.perf_counter()
-                done, receive_s = parent.recv()
+                measured = timed_update(parent, name, senders[name], sent, version, kind == "shm")
                 if version:
-                    t = times[list(CASTS)[which]]
-                    t["e2e"].append(max(done, published) - t0)
-                    t["publish"].append(published - t0)
-                    t["receive"].append(receive_s)
+                    for key, value in zip(("e2e", "publish", "receive"), measured):
+                        times[name][key].append(value)
         parent.send(None)
         proc.join(timeout=60)
     finally:
         if proc.is_alive():
             proc.kill()
-        for sender in senders:
+        for sender in senders.values():
             sender.close()
     return times
 

@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from at_once import Builds, run_at_once
 
 from pipelinerl.cache import user_cache
 from pipelinerl.models.hf import ModelPathError
@@ -61,39 +62,23 @@ def test_two_runs_converting_one_gguf_file_at_once_build_it_once(
     """Two runs (or prepares) started together on a file not yet converted: the second waits
     for the first and takes its directory, instead of both writing the same files (and a third
     loading one half-written behind the first's finished marker)."""
-    import threading
     import time
 
     from pipelinerl.models import sources
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"weights")
-    builds: list[str] = []
-    active = [0, 0]  # now, most at once
+    builds = Builds()
 
     def slow_build(file: Path, sha: str, out: Path) -> None:
-        active[0] += 1
-        active[1] = max(active)
-        time.sleep(0.3)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / SOURCE_FILE).write_text("{}")
-        builds.append(threading.current_thread().name)
-        active[0] -= 1
+        with builds.one():
+            time.sleep(0.3)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / SOURCE_FILE).write_text("{}")
 
     monkeypatch.setattr(sources, "_dequantize", slow_build)
-    start = threading.Barrier(2)
-    results: list[Path] = []
-
-    def run() -> None:
-        start.wait()
-        results.append(sources.dequantize_gguf(gguf))
-
-    threads = [threading.Thread(target=run, name=f"run{i}") for i in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(10)
-    assert len(builds) == 1 and active[1] == 1
+    results = run_at_once(lambda: sources.dequantize_gguf(gguf), timeout_s=10)
+    assert len(builds.by) == 1 and builds.most_at_once == 1
     assert len(results) == 2 and results[0] == results[1]
     assert (results[0] / SOURCE_FILE).is_file()
 

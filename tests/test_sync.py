@@ -729,6 +729,8 @@ class _Streamed:
     many of them are alive whenever the sender asks for the next: a sender that kept them all
     (the whole model gathered at once) would show it."""
 
+    replayable = False  # as a gathering source
+
     def __init__(self, version: int) -> None:
         self._weights = _weights(version)
         self.layout = WeightLayout.from_weights(self._weights)

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from at_once import Builds, run_at_once
 from transformers.utils import logging as hf_logging
 
 import pipelinerl.warmstart as ws
@@ -306,12 +309,7 @@ def test_two_runs_warm_starting_one_new_entry_at_once_build_it_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two runs started together on a task not yet cached: the second waits for the first
     (and says so) and takes its model, instead of training it a second time."""
-    import threading
-
-    import logging
-
-    builds: list[str] = []
-    active = [0, 0]  # now, most at once
+    builds = Builds()
     waiting = threading.Event()
 
     class SeesTheWait(logging.Handler):
@@ -320,35 +318,22 @@ def test_two_runs_warm_starting_one_new_entry_at_once_build_it_once(
                 waiting.set()
 
     def slow_build(task, cfg, base_model_dir, key, out: Path, progress) -> None:
-        active[0] += 1
-        active[1] = max(active)
-        waiting.wait(10)  # the other run is at the lock, however late it came
-        out.mkdir()
-        (out / ws.MANIFEST).write_text("{}")
-        builds.append(threading.current_thread().name)
-        active[0] -= 1
+        with builds.one():
+            waiting.wait(10)  # the other run is at the lock, however late it came
+            out.mkdir()
+            (out / ws.MANIFEST).write_text("{}")
 
     monkeypatch.setattr(ws, "_build", slow_build)
-    start = threading.Barrier(2)
-    results: list[Path] = []
-
-    def run() -> None:
-        start.wait()
-        results.append(warm_start(ChainArithmeticTask(), FAST, cache_dir=tmp_path, progress=False))
-
-    threads = [threading.Thread(target=run, name=f"run{i}") for i in range(2)]
     handler = SeesTheWait()
     logger = logging.getLogger("pipelinerl.cache")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(20)
+        results = run_at_once(
+            lambda: warm_start(ChainArithmeticTask(), FAST, cache_dir=tmp_path, progress=False))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    assert waiting.is_set() and len(builds) == 1 and active[1] == 1
+    assert waiting.is_set() and len(builds.by) == 1 and builds.most_at_once == 1
     assert len(results) == 2 and results[0] == results[1]

@@ -236,9 +236,9 @@ class TorchEngine:
         extended): no output comes back for it and its slot is freed. False if the engine
         does not hold it (it finished, or was never added)."""
         with self._lock:
-            queued = [r for r in self._queue if r.request_id == request_id]
-            if queued:
-                self._queue.remove(queued[0])
+            queued = next((r for r in self._queue if r.request_id == request_id), None)
+            if queued is not None:
+                self._queue.remove(queued)
                 return True
             self._extends = deque(e for e in self._extends if e[0] != request_id)
             slot = next((s for s, r in enumerate(self._requests)

@@ -34,10 +34,6 @@ class StreamedWeights(Protocol):
 Weights = Mapping[str, torch.Tensor] | StreamedWeights
 
 
-def replayable(weights: Weights) -> bool:
-    return isinstance(weights, Mapping) or weights.replayable
-
-
 class CastWeights:
     """`weights` sent with their floating tensors in `dtype` (the engines'): the layout says
     `dtype` and the sender casts each tensor as it copies it into the channel (one pass, no

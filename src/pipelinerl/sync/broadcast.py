@@ -85,7 +85,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from pipelinerl.sync.base import Weights, open_weights, replayable
+from pipelinerl.sync.base import Weights, open_weights
 from pipelinerl.sync.layout import WeightLayout
 
 logger = logging.getLogger(__name__)
@@ -392,7 +392,7 @@ class BroadcastWeightSender(_Channel):
         tell them to abort and raise."""
         assert self.store is not None
         done = self._key(f"done/{version}")
-        if not replayable(weights):
+        if not (isinstance(weights, Mapping) or weights.replayable):
             for _ in sources:  # the other trainer ranks finish their gathers rather than hang
                 pass
             reason = f"{error}; streamed (sharded) weights cannot be sent again"
@@ -424,12 +424,13 @@ class BroadcastWeightSender(_Channel):
         # The header tells receivers the version and how the weights follow (0: per tensor).
         bucket_bytes = 0 if self.per_parameter else self.bucket_bytes
         self._broadcast(torch.tensor([version, bucket_bytes], device=self.device), "the header")
-        n = len(self._layout.slots) if self._layout is not None else 0
+        assert self._layout is not None
+        slots = self._layout.slots
         with torch.no_grad():
             if self.per_parameter:
-                for i, (src, slot) in enumerate(zip(sources, self._layout.slots, strict=True)):
+                for i, (src, slot) in enumerate(zip(sources, slots, strict=True)):
                     self._broadcast(src.to(self.device, slot.dtype).contiguous(),
-                                    f"tensor {i + 1}/{n}")
+                                    f"tensor {i + 1}/{len(slots)}")
                 return
             buckets = self._plan(bucket_bytes)
             buffers = self._bucket_buffers(buckets)
@@ -442,7 +443,7 @@ class BroadcastWeightSender(_Channel):
                 for p in pieces:
                     while current[0] != p.slot:  # in slot order; an empty slot has no piece
                         current = (current[0] + 1, next(sources).reshape(-1))
-                    dtype = self._layout.slots[p.slot].dtype  # copy_ casts a source to it
+                    dtype = slots[p.slot].dtype  # copy_ casts a source to it
                     dst = buf[p.offset:p.offset + p.numel * dtype.itemsize].view(dtype)
                     dst.copy_(current[1][p.start:p.start + p.numel])
                 in_flight[b % 2] = self._start(buf, f"bucket {b + 1}/{len(buckets)}")
