@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 from at_once import Builds, run_at_once
 from transformers.utils import logging as hf_logging
 
+import pipelinerl.cpu_threads as cpu_threads
 import pipelinerl.warmstart as ws
 from pipelinerl.config import Config
 from pipelinerl.launch import starting_model
@@ -143,19 +145,61 @@ def test_training_lowers_the_loss(tmp_path: Path) -> None:
 
 
 def test_busy_cpu_falls_back_to_fewer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ws, "_idle_cpus", lambda: 1.9)
-    assert ws._usable_threads(2) == 2
-    monkeypatch.setattr(ws, "_idle_cpus", lambda: 1.2)
-    assert ws._usable_threads(2) == 1
-    monkeypatch.setattr(ws, "_idle_cpus", lambda: 0.1)
-    assert ws._usable_threads(2) == 1
-    monkeypatch.setattr(ws, "_idle_cpus", lambda: None)  # unknown (not Linux): as asked
-    assert ws._usable_threads(2) == 2
+    monkeypatch.setattr(cpu_threads, "idle_cpus", lambda: 1.9)
+    assert cpu_threads.usable_threads(2, "test") == 2
+    monkeypatch.setattr(cpu_threads, "idle_cpus", lambda: 1.2)
+    assert cpu_threads.usable_threads(2, "test") == 1
+    monkeypatch.setattr(cpu_threads, "idle_cpus", lambda: 0.1)
+    assert cpu_threads.usable_threads(2, "test") == 1
+    monkeypatch.setattr(cpu_threads, "idle_cpus", lambda: None)  # unknown (not Linux): as asked
+    assert cpu_threads.usable_threads(2, "test") == 2
 
 
 def test_idle_cpus_measures_something() -> None:
-    idle = ws._idle_cpus(0.05)
-    assert idle is None or 0.0 <= idle <= (ws.os.cpu_count() or 1)
+    idle = cpu_threads.idle_cpus(0.05)
+    assert idle is None or 0.0 <= idle <= (os.cpu_count() or 1)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_step_slowed_by_a_newly_busy_cpu_drops_the_build_to_one_thread() -> None:
+    guard = cpu_threads.ContentionGuard("test")
+    for seconds in (0.9, 0.16, 0.2, 0.17, 0.45):  # the first step warms up; then jitter < 3x
+        guard.step_took(seconds)
+    assert torch.get_num_threads() == 2 and guard.dropped_at is None
+    guard.step_took(5.0)  # CI measured 5 s a step once another process took a core
+    assert torch.get_num_threads() == 1 and guard.dropped_at == 6
+    guard.step_took(0.01)  # for good: a quiet moment later does not bring the thread back
+    assert torch.get_num_threads() == 1 and guard.dropped_at == 6
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_build_records_whether_it_dropped_to_one_thread(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads, "idle_cpus", lambda: 2.0)
+    slow_from = 3
+    real_step_took = cpu_threads.ContentionGuard.step_took
+
+    def step_took(self: cpu_threads.ContentionGuard, seconds: float) -> None:
+        # Steps 3 on as if another process had taken a core (a real one would make this
+        # test's outcome depend on the machine's load).
+        real_step_took(self, seconds * (100 if self._steps + 1 >= slow_from else 1))
+
+    monkeypatch.setattr(cpu_threads.ContentionGuard, "step_took", step_took)
+    cfg = replace(FAST, steps=6, num_threads=2)
+    out = ws.warm_start(ChainArithmeticTask(), cfg, cache_dir=tmp_path, progress=False)
+    manifest = json.loads((out / ws.MANIFEST).read_text())
+    assert manifest["threads"] == 2 and manifest["threads_dropped_to_1_after_step"] == slow_from
+    assert torch.get_num_threads() == 2  # the caller's setting restored
 
 
 @pytest.fixture

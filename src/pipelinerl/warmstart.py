@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from pipelinerl.cache import building, user_cache
+from pipelinerl.cpu_threads import ContentionGuard, usable_threads
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
 from pipelinerl.models.sources import file_sha256
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
@@ -178,8 +179,9 @@ def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | 
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     prev_threads = torch.get_num_threads()
-    threads = _usable_threads(cfg.num_threads)
+    threads = usable_threads(cfg.num_threads, "warm-start")
     torch.set_num_threads(threads)
+    guard = ContentionGuard("warm-start")
     try:
         if base_model_dir:
             tokenizer = load_tokenizer(base_model_dir)
@@ -193,9 +195,12 @@ def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | 
             tokenizer = build_char_tokenizer(task.alphabet, tmp)
             model = init_tiny_model(tokenizer, cfg.preset, cfg.seed)
         t0 = time.perf_counter()
-        losses = train(model, tokenizer, task, cfg, progress)
+        losses = train(model, tokenizer, task, cfg, progress, guard)
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        # Generation is many small ops, each a barrier across threads: one thread was about
+        # as fast when quiet (4.0 vs 3.5 s) and 3x faster beside a busy process (4.7 vs 15.6).
+        torch.set_num_threads(1)
         rng = random.Random(f"eval-{cfg.seed}")
         # An environment's rollouts need its replies, which plain generation here lacks: the
         # evaluator's version-0 pass measures its starting policy instead.
@@ -217,6 +222,7 @@ def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | 
             "base_model_dir": str(base_model_dir) if base_model_dir else None,
             "code_version": CODE_VERSION,
             "threads": threads,
+            "threads_dropped_to_1_after_step": guard.dropped_at,
             "train_seconds": round(train_s, 1),
             "eval_seconds": round(eval_s, 1),
             "loss_first": losses[0],
@@ -251,44 +257,6 @@ def quiet_transformers(quiet: bool = True) -> Iterator[None]:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _idle_cpus(window_s: float = 0.3) -> float | None:
-    """How many CPUs were idle over a short window (Linux /proc/stat), or None if unknown.
-    Measured now rather than read from the load average, which lags by a minute."""
-
-    def snapshot() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        return ticks[3] + ticks[4], sum(ticks)  # idle + iowait, total
-
-    try:
-        idle0, total0 = snapshot()
-        time.sleep(window_s)
-        idle1, total1 = snapshot()
-    except (OSError, ValueError, IndexError):
-        return None
-    if total1 == total0:
-        return None
-    return (idle1 - idle0) / (total1 - total0) * (os.cpu_count() or 1)
-
-
-def _usable_threads(requested: int) -> int:
-    """`requested` threads, fewer when other work keeps CPUs busy: every torch op ends in a
-    barrier across its threads, so one descheduled thread stalls the whole step. Measured on
-    this 2-core CPU: quiet, 2 threads 0.16 s/step vs 1 thread 0.23; with another process
-    busy, 2 threads 5 s/step vs 1 thread 0.25."""
-    idle = _idle_cpus() if requested > 1 else None
-    if idle is None or idle >= requested - 0.25:
-        return requested
-    threads = max(1, min(requested, int(idle + 0.25)))
-    logger.warning(
-        "warm-start: only %.1f CPUs idle, training with %d thread(s) instead of %d",
-        idle,
-        threads,
-        requested,
-    )
-    return threads
 
 
 def encode_demo(
@@ -350,8 +318,10 @@ def train(
     task: DemonstrationTask,
     cfg: WarmStartConfig,
     progress: bool = True,
+    guard: ContentionGuard | None = None,
 ) -> list[float]:
-    """Train in place on fresh noisy demonstrations; returns the loss of every step."""
+    """Train in place on fresh noisy demonstrations; returns the loss of every step.
+    `guard` is told each step's time (it may take threads away when the CPUs get shared)."""
     # The only randomness is the data: the model has no dropout.
     rng = random.Random(f"warmstart-{cfg.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -368,6 +338,7 @@ def train(
     batches = demo_batches(task, tokenizer, cfg, rng)
     bar = tqdm(range(cfg.steps), desc="warm-start", disable=not progress, mininterval=1.0)
     for _ in bar:
+        t0 = time.perf_counter()
         ids, labels = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = model(input_ids=ids, labels=labels).loss
@@ -377,6 +348,8 @@ def train(
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if guard:
+            guard.step_took(time.perf_counter() - t0)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
