@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -20,6 +22,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     # No append-only file: tests that need persistence start their own server.
     with start_redis_server(tmp_path_factory.mktemp("redis"), appendonly=False) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One warm-start cache for the session's runs, shared by the xdist workers (their base
+    temp directories' parent): each warm-started model is built once per cache key, a run
+    needing one being built waits on its lock (pipelinerl.cache.building) and reuses it, as
+    a user's runs do. Tests of the warm start itself, or of a Ctrl-C during it, keep their own."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "warmstart-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 
 
-def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+def _overrides(tmp_path: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [
         f"name={name}",
         f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"warmstart.cache_dir={cache}",
         "warmstart.steps=20", "eval.enabled=false",
         "engine.capacity=16",
         "actor.group_size=4",
@@ -38,13 +38,13 @@ def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
+def finished_run(tmp_path_factory, warm_cache):
     tmp_path = tmp_path_factory.mktemp("e2e")
     # max_lag=1: the groups of steps 3 and 4 can only start after the actor loaded new weights.
     # The K/V cache is recomputed on each update, so a token of version v was computed wholly
     # by weights v (kept K/V of older tokens would move a lag-0 token's log-prob by up to 1e-3
     # at this lr, measured once in CI) and can be held to fp32 agreement below.
-    cfg = load_config(EXAMPLE, _overrides(tmp_path, "e2e", "actor.max_lag=1",
+    cfg = load_config(EXAMPLE, _overrides(tmp_path, warm_cache, "e2e", "actor.max_lag=1",
                                           "engine.recompute_kv_on_update=true"))
     assert launch(cfg) == 0
     return cfg.run_dir
@@ -98,7 +98,8 @@ def test_a_dead_role_stops_the_run_and_its_error_is_shown(tmp_path, capsys):
     # A config the launcher's model check accepts, but no weights: the roles die loading it.
     Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=32, vocab_size=20).save_pretrained(tmp_path / "no-model")
-    cfg = load_config(EXAMPLE, _overrides(tmp_path, "dead", f"model.path={tmp_path / 'no-model'}"))
+    cfg = load_config(EXAMPLE, _overrides(tmp_path, tmp_path / "cache", "dead",
+                                          f"model.path={tmp_path / 'no-model'}"))
     t0 = time.monotonic()
     assert launch(cfg) == 1
     assert time.monotonic() - t0 < 120
@@ -106,8 +107,8 @@ def test_a_dead_role_stops_the_run_and_its_error_is_shown(tmp_path, capsys):
     assert "failed with exit code" in err and "no-model" in err
 
 
-def test_ctrl_c_stops_every_role_cleanly(tmp_path):
-    args = _overrides(tmp_path, "interrupt", "trainer.max_steps=100000")
+def test_ctrl_c_stops_every_role_cleanly(tmp_path, warm_cache):
+    args = _overrides(tmp_path, warm_cache, "interrupt", "trainer.max_steps=100000")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelinerl.cli", "train", str(EXAMPLE), *args],
         stderr=subprocess.PIPE, text=True, start_new_session=True,

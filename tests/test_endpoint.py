@@ -182,7 +182,7 @@ def test_endpoint_requests_join_the_actors_batch_while_it_trains_groups() -> Non
 
 
 @pytest.mark.slow
-def test_a_training_run_serves_its_actors_engine(tmp_path) -> None:
+def test_a_training_run_serves_its_actors_engine(tmp_path, warm_cache) -> None:
     import subprocess
     import sys
     import time
@@ -193,7 +193,7 @@ def test_a_training_run_serves_its_actors_engine(tmp_path) -> None:
     with err_path.open("w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipelinerl.cli", "train", str(example), "name=served",
-             f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={tmp_path / 'cache'}",
+             f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={warm_cache}",
              "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
              "actor.group_size=4", "trainer.batch_size=16", "trainer.max_steps=40",
              "actor.endpoint_port=0", "metrics.progress=false", "metrics.plot=false"],

@@ -336,10 +336,10 @@ def test_snapshots_of_versions_a_resume_remade_are_dropped(tmp_path: Path) -> No
 # ---- the evaluator role in a run, and `pipelinerl eval` (slow) ------------------------------
 
 
-def _run_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+def _run_overrides(tmp_path: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [
         f"name={name}", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20",
+        f"warmstart.cache_dir={cache}", "warmstart.steps=20",
         "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
         "trainer.max_steps=6", "metrics.progress=false",
         "eval.enabled=true", "eval.num_problems=24", "eval.every_steps=2", "eval.every_s=0",
@@ -350,15 +350,15 @@ def _run_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sync,deferred", [("broadcast", False), ("shm", True)])
 def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(
-        tmp_path: Path, sync: str, deferred: bool) -> None:
+        tmp_path: Path, warm_cache: Path, sync: str, deferred: bool) -> None:
     """Over the broadcast channel, whose receivers must be in the group from the start; and
     deferred, over shm (the shm evaluator also runs in tests/test_dataset_task.py's CLI run):
     the same records, made after the run from the weights kept while it ran."""
     from pipelinerl.eval_snapshots import SNAPSHOTS_DIR
     from pipelinerl.launch import launch
 
-    cfg = load_config(EXAMPLE, _run_overrides(tmp_path, f"eval-{sync}", f"sync.backend={sync}",
-                                              f"eval.deferred={str(deferred).lower()}"))
+    cfg = load_config(EXAMPLE, _run_overrides(tmp_path, warm_cache, f"eval-{sync}",
+                                              f"sync.backend={sync}", f"eval.deferred={str(deferred).lower()}"))
     assert launch(cfg) == 0
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval/version" in r]
@@ -379,12 +379,12 @@ def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(
 
 
 @pytest.mark.slow
-def test_the_eval_command_evaluates_a_saved_model(tmp_path, capsys):
+def test_the_eval_command_evaluates_a_saved_model(tmp_path, warm_cache, capsys):
     from pipelinerl.cli import main
     from pipelinerl.launch import prepare_run
 
-    cfg = prepare_run(load_config(EXAMPLE, _run_overrides(tmp_path, "cli")), overwrite=False)
-    overrides = [f"warmstart.cache_dir={tmp_path / 'cache'}", "eval.num_problems=16",
+    cfg = prepare_run(load_config(EXAMPLE, _run_overrides(tmp_path, warm_cache, "cli")), overwrite=False)
+    overrides = [f"warmstart.cache_dir={warm_cache}", "eval.num_problems=16",
                  "eval.samples=2"]
     assert main(["eval", cfg.model.path, str(EXAMPLE), *overrides]) == 0
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

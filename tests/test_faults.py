@@ -168,10 +168,10 @@ def test_a_config_typo_or_a_wrong_type_is_refused_by_the_cli_naming_every_key(
 # ---- through the CLI: kill -9 of the evaluator, of the launcher, of the trainer ------------
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One warm-started model for the module's runs."""
-    return tmp_path_factory.mktemp("cache")
+@pytest.fixture
+def cache(warm_cache: Path) -> Path:
+    """The session's warm-started model (tests/conftest.py)."""
+    return warm_cache
 
 
 def _args(tmp_path: Path, cache: Path, name: str, *extra: str) -> list[str]:

@@ -426,7 +426,7 @@ def test_fsdp2_config_rules() -> None:
 
 
 @pytest.mark.slow
-def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
+def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path, warm_cache: Path) -> None:
     """Through the CLI: 2 FSDP2 trainer ranks (torchrun) train and checkpoint; a resume that
     changes the batch shape is refused; `--resume` extends the finished run on 1 rank from the
     sharded checkpoint; the audit finds every group trained once and the final model loads
@@ -441,7 +441,7 @@ def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
 
     example = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
     run_dir = tmp_path / "runs" / "fsdp"
-    args = ["name=fsdp", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={tmp_path / 'cache'}",
+    args = ["name=fsdp", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={warm_cache}",
             "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16", "actor.group_size=4",
             "trainer.batch_size=16", "metrics.progress=false", "metrics.plot=false",
             "trainer.strategy=fsdp2", "trainer.checkpoint_every_steps=3",
@@ -469,8 +469,8 @@ def test_cli_fsdp2_run_on_two_ranks_extended_on_one(tmp_path: Path) -> None:
     assert counts and counts.groups() == ("28", "0", "0") and out.returncode == 0, out.stdout
     # final/ (gathered to rank 0) holds what the last sharded checkpoint holds, and it trained.
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final").state_dict()
-    start = AutoModelForCausalLM.from_pretrained(
-        next(p for p in (tmp_path / "cache").iterdir() if (p / "config.json").exists())).state_dict()
+    start_dir = load_config(run_dir / "config.yaml").model.path  # the warm-started model
+    start = AutoModelForCausalLM.from_pretrained(start_dir).state_dict()
     dcp_to_torch_save(run_dir / "checkpoints" / "step_00000007" / "dcp", tmp_path / "last.pt")
     last = torch.load(tmp_path / "last.pt", weights_only=False)["model"]
     for name, t in last.items():

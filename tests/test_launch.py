@@ -268,7 +268,7 @@ transformers.PreTrainedTokenizerBase.save_pretrained = _slow_save
 
 @pytest.mark.slow
 def test_fake_slow_final_save_completes_before_the_actors_are_told_to_stop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, warm_cache: Path, monkeypatch: pytest.MonkeyPatch
 ):
     from transformers import AutoTokenizer
 
@@ -280,7 +280,7 @@ def test_fake_slow_final_save_completes_before_the_actors_are_told_to_stop(
     monkeypatch.setattr(launch_module, "ACTORS_GONE_GRACE_S", 2.0)
     cfg = load_config(EXAMPLE, [
         "name=slowsave", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false",
+        f"warmstart.cache_dir={warm_cache}", "warmstart.steps=20", "eval.enabled=false",
         "engine.capacity=16", "actor.group_size=4", "trainer.batch_size=16",
         "trainer.max_steps=2", "metrics.progress=false", "metrics.plot=false",
     ])

@@ -122,11 +122,12 @@ def test_a_target_module_the_model_lacks_is_refused_naming_its_layers() -> None:
 
 
 @pytest.mark.slow
-def test_a_lora_run_saves_the_adapter_and_the_merged_model(tmp_path: Path) -> None:
+def test_a_lora_run_saves_the_adapter_and_the_merged_model(tmp_path: Path,
+                                                           warm_cache: Path) -> None:
     example = Path(__file__).resolve().parent.parent / "examples" / "arithmetic.yaml"
     proc = subprocess.run(
         [sys.executable, "-m", "pipelinerl.cli", "train", str(example), "name=lora",
-         f"output_dir={tmp_path}", f"warmstart.cache_dir={tmp_path / 'cache'}",
+         f"output_dir={tmp_path}", f"warmstart.cache_dir={warm_cache}",
          # A 20-step warm-start earns no reward, so no advantage: the entropy bonus gives the
          # adapters a gradient all the same.
          "warmstart.steps=20", "model.lora.rank=4", "trainer.lr=1e-3", "trainer.max_steps=5",

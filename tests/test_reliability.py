@@ -21,9 +21,9 @@ AUDIT_LINE = re.compile(r"^published (\d+) trained (\d+) dropped (\d+) lost (\d+
                         re.M)
 
 
-def _args(tmp_path: Path, name: str, *extra: str) -> list[str]:
+def _args(tmp_path: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [f"name={name}", f"output_dir={tmp_path / 'runs'}",
-            f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20",
+            f"warmstart.cache_dir={cache}", "warmstart.steps=20",
             "eval.enabled=false", "engine.capacity=16", "actor.group_size=4",
             "trainer.batch_size=16", "trainer.sample_timeout_s=120", "metrics.progress=false",
             "metrics.plot=false", *extra]
@@ -81,8 +81,9 @@ def _kill_an_actor_and_finish(args: list[str], run_dir: Path, actor_id: int,
     return err, published, trained, dropped
 
 
-def test_a_killed_actor_is_restarted_and_nothing_is_lost(tmp_path: Path) -> None:
-    args = _args(tmp_path, "actor-kill", "trainer.max_steps=12", "actor.max_lag=1")
+def test_a_killed_actor_is_restarted_and_nothing_is_lost(tmp_path: Path,
+                                                         warm_cache: Path) -> None:
+    args = _args(tmp_path, warm_cache, "actor-kill", "trainer.max_steps=12", "actor.max_lag=1")
     run_dir = tmp_path / "runs" / "actor-kill"
     err, published, trained, dropped = _kill_an_actor_and_finish(args, run_dir, 0, 12)
     assert "killed by signal 9 (SIGKILL)" in err or "actor_0" in err
@@ -93,19 +94,21 @@ def test_a_killed_actor_is_restarted_and_nothing_is_lost(tmp_path: Path) -> None
     assert len(ids) == len(set(ids))
 
 
-def test_a_killed_actor_is_restarted_over_broadcast_and_nothing_is_lost(tmp_path: Path) -> None:
+def test_a_killed_actor_is_restarted_over_broadcast_and_nothing_is_lost(tmp_path: Path,
+                                                                        warm_cache: Path) -> None:
     """The weight group is formed again to take the restarted actor (on main a dead actor
     ended a broadcast run)."""
-    args = _args(tmp_path, "bcast-kill", "trainer.max_steps=10", "actor.num_actors=2",
+    args = _args(tmp_path, warm_cache, "bcast-kill", "trainer.max_steps=10", "actor.num_actors=2",
                  "sync.backend=broadcast")
     run_dir = tmp_path / "runs" / "bcast-kill"
     err, *_ = _kill_an_actor_and_finish(args, run_dir, 1, 10)
     assert "formed again (epoch 1)" in err  # the trainer's log
 
 
-def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_path: Path) -> None:
+def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_path: Path,
+                                                                            warm_cache: Path) -> None:
     # Segments of 16 KB (a few groups each), so checkpoints delete the stream's old ones.
-    args = _args(tmp_path, "trainer-kill", "trainer.max_steps=14",
+    args = _args(tmp_path, warm_cache, "trainer-kill", "trainer.max_steps=14",
                  "trainer.checkpoint_every_steps=4", "stream.segment_mb=0.016")
     run_dir = tmp_path / "runs" / "trainer-kill"
     proc = _train(args)
@@ -134,8 +137,10 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_
     assert "actor_0.jsonl" not in segments  # the first segment went after a checkpoint
 
 
-def test_a_redis_server_restart_mid_run_is_survived(tmp_path: Path) -> None:
-    args = _args(tmp_path, "redis-kill", "trainer.max_steps=10", "stream.backend=redis")
+def test_a_redis_server_restart_mid_run_is_survived(tmp_path: Path,
+                                                    warm_cache: Path) -> None:
+    args = _args(tmp_path, warm_cache, "redis-kill", "trainer.max_steps=10",
+                 "stream.backend=redis")
     run_dir = tmp_path / "runs" / "redis-kill"
     proc = _train(args)
     _wait_for_step(proc, run_dir, 3)
@@ -152,11 +157,12 @@ def test_a_redis_server_restart_mid_run_is_survived(tmp_path: Path) -> None:
     assert trained == 10 * 4
 
 
-def test_a_finished_redis_run_extended_with_resume_loses_and_repeats_nothing(tmp_path: Path) -> None:
+def test_a_finished_redis_run_extended_with_resume_loses_and_repeats_nothing(tmp_path: Path,
+                                                                             warm_cache: Path) -> None:
     """docs/reliability.md's way to extend a run: each resumed actor continues its predecessor
     (group ids, claim, weights), whether or not the final checkpoint's trim reached the
     predecessor's last record (tests/test_streams.py shows the case where it does)."""
-    args = _args(tmp_path, "extend", "trainer.max_steps=4", "stream.backend=redis")
+    args = _args(tmp_path, warm_cache, "extend", "trainer.max_steps=4", "stream.backend=redis")
     run_dir = tmp_path / "runs" / "extend"
     first = _train(args)
     _, err = first.communicate(timeout=300)
@@ -184,7 +190,8 @@ def test_sigint_at_random_moments_always_stops_the_run_cleanly(tmp_path: Path) -
     delays = [*(rng.uniform(0.3, 2.5) for _ in range(4)), *(rng.uniform(2.5, 12.0) for _ in range(4))]
     for trial, delay in enumerate(delays):
         name = f"sigint-{trial}"
-        proc = _train(_args(tmp_path, name, "trainer.max_steps=100000"))
+        # Its own cache: a Ctrl-C may then land in the warm start.
+        proc = _train(_args(tmp_path, tmp_path / "cache", name, "trainer.max_steps=100000"))
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
         try:
@@ -231,7 +238,8 @@ if os.environ.get("RANK") == os.environ.get("FAKE_FAIL_RANK"):
 
 @pytest.mark.parametrize("teardown_s", [None, 600], ids=["error", "error-blocking-teardown"])
 def test_a_trainer_rank_failing_mid_step_ends_the_run_with_its_error(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, teardown_s: int | None) -> None:
+        tmp_path: Path, warm_cache: Path, monkeypatch: pytest.MonkeyPatch,
+        teardown_s: int | None) -> None:
     """2 DDP ranks; rank 1 raises mid-step. The run ends soon after with exit code 1, the
     launcher shows rank 1's error (rank 0 only sees its peer gone: on main the launcher showed
     rank 0's 'Connection closed by peer' alone), and no process is left. A failed rank leaves
@@ -245,7 +253,8 @@ def test_a_trainer_rank_failing_mid_step_ends_the_run_with_its_error(
     if teardown_s is not None:
         monkeypatch.setenv("FAKE_TEARDOWN_S", str(teardown_s))
     run_dir = tmp_path / "runs" / "rank-fails"
-    proc = _train(_args(tmp_path, "rank-fails", "trainer.max_steps=5", "trainer.num_procs=2"))
+    proc = _train(_args(tmp_path, warm_cache, "rank-fails", "trainer.max_steps=5",
+                        "trainer.num_procs=2"))
     error_file = run_dir / "logs" / "trainer_rank1.error"
     try:
         deadline = time.monotonic() + 300

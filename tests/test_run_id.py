@@ -203,11 +203,12 @@ def test_a_role_started_by_hand_needs_a_run_id(tmp_path: Path, role: str, capsys
 @pytest.mark.slow
 @pytest.mark.redis
 def test_two_runs_with_the_same_name_back_to_back_on_one_redis_train_only_their_own_groups(
-    tmp_path: Path, redis_server
+    tmp_path: Path, warm_cache: Path, redis_server
 ):
     overrides = [
         "name=again", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
+        f"warmstart.cache_dir={warm_cache}", "warmstart.steps=20", "eval.enabled=false",
+        "engine.capacity=16",
         "trainer.batch_size=16", "trainer.max_steps=3", "trainer.sample_timeout_s=30",
         "metrics.progress=false", "metrics.plot=false", "stream.backend=redis",
         f"stream.redis_url={redis_server.url}",

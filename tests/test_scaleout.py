@@ -28,10 +28,11 @@ def _read_all(url: str, run: str, stream: str) -> list[dict]:
     return records
 
 
-def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_path, redis_server):
+def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_path, warm_cache,
+                                                                       redis_server):
     cfg = load_config(EXAMPLE, [
         "name=scaleout", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false",
+        f"warmstart.cache_dir={warm_cache}", "warmstart.steps=20", "eval.enabled=false",
         # Places are global (pipelinerl.admission): with max_lag 4 the first 20 places, a whole
         # 5-step run, could all go to whichever actor started first. max_lag 1 and room for two
         # groups per actor leave 8 places at version 0 and 4 per step after, more than one

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.vllm
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 
 
-def test_pipeline_on_vllm_updates_weights_in_flight(tmp_path):
+def test_pipeline_on_vllm_updates_weights_in_flight(tmp_path, warm_cache):
     cfg = load_config(EXAMPLE, [
         "name=vllm", f"output_dir={tmp_path / 'runs'}",
-        f"warmstart.cache_dir={tmp_path / 'cache'}", "warmstart.steps=20", "eval.enabled=false",
+        f"warmstart.cache_dir={warm_cache}", "warmstart.steps=20", "eval.enabled=false",
         "engine.backend=vllm", "engine.capacity=16", "actor.group_size=4",
         "trainer.batch_size=16", "trainer.max_steps=4", "actor.max_lag=1",
         "trainer.sample_timeout_s=300", "metrics.progress=false",
