@@ -109,15 +109,17 @@ def test_a_dead_role_stops_the_run_and_its_error_is_shown(tmp_path, capsys):
 
 def test_ctrl_c_stops_every_role_cleanly(tmp_path, warm_cache):
     args = _overrides(tmp_path, warm_cache, "interrupt", "trainer.max_steps=100000")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelinerl.cli", "train", str(EXAMPLE), *args],
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    err = tmp_path / "stderr.txt"  # a file, not a pipe no one reads while this waits
+    with err.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl.cli", "train", str(EXAMPLE), *args],
+            stderr=out, text=True, start_new_session=True,
+        )
     metrics = tmp_path / "runs" / "interrupt" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 240  # a guard against a hang: 20-30 s here
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "no optimizer step within 240 s"
+        assert proc.poll() is None, err.read_text()
+        assert time.monotonic() < deadline, f"no optimizer step within 240 s: {err.read_text()}"
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     assert proc.wait(timeout=60) == 130
