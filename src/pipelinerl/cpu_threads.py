@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -47,27 +49,37 @@ def usable_threads(requested: int, what: str) -> int:
 
 
 class ContentionGuard:
-    """Watches the time of like-sized steps and drops torch to one thread for good when one
-    takes `slowdown` times the fastest seen: work that started beside this one after
-    `usable_threads` looked (another run's roles, a second test) has taken a core. One thread
-    keeps its pace under that load; several would run many times slower to the end."""
+    """Watches each step's time per unit of work (a batch's tokens) and drops torch to one
+    thread for good once the median of the last `window` steps is `slowdown` times the fastest
+    seen: work that started beside this one after `usable_threads` looked (another run's roles,
+    a second test) has taken a core. One thread keeps its pace under that load; several would
+    run many times slower to the end. Per unit, since batches differ in length (a warm-start
+    step took 0.06-0.32 s on a quiet CPU); a median, since single steps still vary (up to 2.3x
+    per token, quiet)."""
 
-    def __init__(self, what: str, slowdown: float = 3.0) -> None:
+    def __init__(self, what: str, slowdown: float = 2.0, window: int = 5) -> None:
         self.what = what
         self.slowdown = slowdown
         self.fastest = float("inf")
+        self.recent: deque[float] = deque(maxlen=window)
         self.dropped_at: int | None = None  # the step after which it went to one thread
         self._steps = 0
 
-    def step_took(self, seconds: float) -> None:
+    def step_took(self, seconds: float, work: float) -> None:
         self._steps += 1
         threads = torch.get_num_threads()
         if threads == 1:
             return
-        if seconds > self.slowdown * self.fastest:
+        rate = seconds / work
+        self.fastest = min(self.fastest, rate)
+        self.recent.append(rate)
+        if len(self.recent) < self.recent.maxlen:
+            return
+        typical = statistics.median(self.recent)
+        if typical > self.slowdown * self.fastest:
             torch.set_num_threads(1)
             self.dropped_at = self._steps
-            logger.warning("%s: step %d took %.2f s, %.0fx the fastest (%.2f s): the CPUs are "
-                           "shared now; going on with 1 thread instead of %d", self.what,
-                           self._steps, seconds, seconds / self.fastest, self.fastest, threads)
-        self.fastest = min(self.fastest, seconds)
+            logger.warning("%s: the last %d steps took %.1fx the fastest step's time per unit of "
+                           "work (median): the CPUs are shared now; going on with 1 thread "
+                           "instead of %d", self.what, len(self.recent), typical / self.fastest,
+                           threads)

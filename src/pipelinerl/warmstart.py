@@ -349,7 +349,7 @@ def train(
         sched.step()
         losses.append(loss.item())
         if guard:
-            guard.step_took(time.perf_counter() - t0)
+            guard.step_took(time.perf_counter() - t0, ids.numel())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
     model.eval()
     return losses
