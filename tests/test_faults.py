@@ -168,12 +168,6 @@ def test_a_config_typo_or_a_wrong_type_is_refused_by_the_cli_naming_every_key(
 # ---- through the CLI: kill -9 of the evaluator, of the launcher, of the trainer ------------
 
 
-@pytest.fixture
-def cache(warm_cache: Path) -> Path:
-    """The session's warm-started model (tests/conftest.py)."""
-    return warm_cache
-
-
 def _args(tmp_path: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [f"name={name}", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={cache}",
             "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
@@ -220,10 +214,10 @@ def _resumed_in_full(args: list[str], run_dir: Path, max_steps: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_evaluator_is_restarted_and_the_run_finishes(
-        tmp_path: Path, cache: Path) -> None:
+        tmp_path: Path, warm_cache: Path) -> None:
     """The evaluator holds nothing the run needs: restarted like an actor, it evaluates the
     newest weights (before: its death ended the run, and --auto-resume did not resume it)."""
-    args = _args(tmp_path, cache, "eval-kill", "trainer.max_steps=60",
+    args = _args(tmp_path, warm_cache, "eval-kill", "trainer.max_steps=60",
                  "trainer.checkpoint_every_steps=2", *EVAL)
     run_dir = tmp_path / "runs" / "eval-kill"
     proc = _train(args)
@@ -259,10 +253,10 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_launcher_leaves_no_process_of_its_run_and_resume_finishes_it(
-        tmp_path: Path, cache: Path) -> None:
+        tmp_path: Path, warm_cache: Path) -> None:
     """Every kind of process a run has: trainer, actor (and its verifier workers), evaluator,
     the run's redis-server. They get SIGTERM when the launcher dies (PR_SET_PDEATHSIG)."""
-    args = _args(tmp_path, cache, "launcher-kill", "trainer.max_steps=100",
+    args = _args(tmp_path, warm_cache, "launcher-kill", "trainer.max_steps=100",
                  "trainer.checkpoint_every_steps=2", "stream.backend=redis", *EVAL)
     run_dir = tmp_path / "runs" / "launcher-kill"
     proc = _train(args)
@@ -303,8 +297,8 @@ def psutil_cmd(pid: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_trainer_under_auto_resume_is_resumed_by_the_launcher(
-        tmp_path: Path, cache: Path) -> None:
-    args = _args(tmp_path, cache, "auto", "trainer.max_steps=40",
+        tmp_path: Path, warm_cache: Path) -> None:
+    args = _args(tmp_path, warm_cache, "auto", "trainer.max_steps=40",
                  "trainer.checkpoint_every_steps=3")
     run_dir = tmp_path / "runs" / "auto"
     proc = _train(args, "--auto-resume")

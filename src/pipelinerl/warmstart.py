@@ -321,7 +321,8 @@ def train(
     guard: ContentionGuard | None = None,
 ) -> list[float]:
     """Train in place on fresh noisy demonstrations; returns the loss of every step.
-    `guard` is told each step's time (it may take threads away when the CPUs get shared)."""
+    `guard` is told each step's time and tokens (it may take threads away when the CPUs get
+    shared)."""
     # The only randomness is the data: the model has no dropout.
     rng = random.Random(f"warmstart-{cfg.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
