@@ -21,9 +21,10 @@ from pipelinerl.checkpoint import (
     read_state,
 )
 from pipelinerl.config import MetricsConfig, load_config
-from pipelinerl.metrics.logger import MetricsLogger, open_run_jsonl
+from pipelinerl.metrics.logger import MetricsLogger
+from pipelinerl.records import open_append, open_resumed, read_rows
 from pipelinerl.streams import open_reader, open_writer
-from pipelinerl.attempts import valid_upto
+from pipelinerl.attempts import ATTEMPTS_FILE, read_resumes, record_resume, valid_upto
 from pipelinerl.trainer import BatchSource, Trainer
 from pipelinerl.types import Group, Sample
 
@@ -190,14 +191,14 @@ def test_resume_cuts_the_metrics_after_the_checkpoint_and_keeps_them_aside(tmp_p
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "time_s": s} for s in range(1, 8)] + [{"step": 3, "eval/version": 3}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with open_run_jsonl(path, resume_step=5, attempt=1) as f:
+    with open_resumed(path, resume_step=5, attempt=1) as f:
         f.write(json.dumps({"step": 6, "time_s": 6.5}) + "\n")
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 3, 6]
     aside = [json.loads(line) for line in (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()]
     assert [r["step"] for r in aside] == [6, 7] and {r["discarded_by_attempt"] for r in aside} == {1}
     with pytest.raises(FileExistsError):
-        open_run_jsonl(path, resume_step=None, attempt=0)  # a new run never appends
+        open_resumed(path, resume_step=None, attempt=0)  # a new run never appends
 
 
 def _synced(f: object) -> bool:
@@ -212,11 +213,36 @@ def test_metrics_and_trained_rows_are_on_disk_once_written(tmp_path: Path) -> No
     assert _synced(logger._file)
     logger.log(1, {"time_s": 1.0})
     logger.close()
-    with open_run_jsonl(tmp_path / "trained.jsonl", resume_step=None, attempt=0) as f:
+    with open_resumed(tmp_path / "trained.jsonl", resume_step=None, attempt=0) as f:
         assert _synced(f)
     resumed = MetricsLogger(tmp_path, MetricsConfig(), "r", {}, resume_step=1, attempt=1)
     assert _synced(resumed._file)
     resumed.close()
+
+
+def test_a_resume_recorded_after_a_cut_attempts_line_is_kept(tmp_path: Path) -> None:
+    """A crash cut attempt 2's line: the next resume starts on a fresh line, so valid_upto
+    still knows it (before, it was glued to the cut line and read back as nothing)."""
+    record_resume(tmp_path, 1, 5)
+    with (tmp_path / ATTEMPTS_FILE).open("a") as f:
+        f.write('{"attempt": 2, "resumed_fr')
+    assert record_resume(tmp_path, 3, 10) == [(1, 5), (3, 10)]
+    assert valid_upto(read_resumes(tmp_path)) == {0: 5, 1: 10}
+
+
+def test_a_cut_row_in_the_run_records_is_skipped_with_a_warning_and_costs_no_other(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cut trained.jsonl/metrics.jsonl row (machine crash mid-write): the resume reads every
+    whole row around it (before, json.loads raised and the run could not resume)."""
+    path = tmp_path / "trained.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "trai\n{"step": 3}\n{"step": 4, "tr')
+    with open_resumed(path, resume_step=3, attempt=1) as f:
+        f.write(json.dumps({"step": 4}) + "\n")
+    assert [row["step"] for row in read_rows(path)] == [1, 3, 4]
+    assert "trained.jsonl line 2 is not a complete JSON row" in caplog.text
+    with open_append(path) as f:  # an intact file gets no empty line
+        f.write(json.dumps({"step": 5}) + "\n")
+    assert path.read_text().count("\n\n") == 0
 
 
 def test_valid_versions_per_attempt_after_resumes() -> None:
@@ -372,7 +398,27 @@ def test_a_resume_with_more_steps_or_another_lr_continues_the_lr_without_a_jump(
     assert other_lr.optimizer.param_groups[0]["lr"] == pytest.approx(3 * at_checkpoint, rel=1e-9)
 
 
-def test_extending_a_run_whose_lr_decayed_to_0_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+def test_a_resume_switching_to_a_constant_lr_keeps_the_lr_it_reached(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Review D3: cosine at factor < 1 resumed as constant jumped to the full trainer.lr while
+    the log said it continued from that factor."""
+    first = _trainer(tmp_path)  # cosine, 2 warm-up steps, max_steps 10, lr 1e-4
+    for seed in range(5):
+        first.train_step(_groups(seed))
+    path = first.save_checkpoint(_NoTokenizer())
+    at_checkpoint = first.optimizer.param_groups[0]["lr"]
+    assert at_checkpoint < 0.9e-4
+    constant = _trainer(tmp_path, "attempt=1", "trainer.lr_schedule=constant")
+    constant.resume(path)
+    for seed in range(5, 8):
+        constant.train_step(_groups(seed))
+        assert constant.optimizer.param_groups[0]["lr"] == pytest.approx(at_checkpoint, rel=1e-12)
+    factor = at_checkpoint / 1e-4
+    assert f"cosine to step 10 -> constant to step 10 from step 5, at lr factor {factor:.4g}" in caplog.text
+
+
+def test_extending_a_run_whose_lr_decayed_to_0_is_refused_naming_the_way_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     first = _trainer(tmp_path, "trainer.lr_schedule=linear", "trainer.max_steps=3")
     for seed in range(3):
         first.train_step(_groups(seed))
@@ -383,3 +429,4 @@ def test_extending_a_run_whose_lr_decayed_to_0_is_refused_naming_the_way_out(tmp
     constant = _trainer(tmp_path, "attempt=2", "trainer.lr_schedule=constant", "trainer.max_steps=6")
     constant.resume(path)
     assert constant.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert "at lr factor 1 (it had reached 0)" in caplog.text

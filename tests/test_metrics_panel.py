@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from pipelinerl.config import MetricsConfig
-from pipelinerl.metrics.logger import MetricsLogger, read_metrics, scalars
+from pipelinerl.metrics.logger import MetricsLogger, scalars
+from pipelinerl.records import read_rows
 from pipelinerl.metrics.plot import panel_figure, plot_run
 
 TITLES = ["success", "ESS and entropy", "lag (steps)", "mismatch and KL(mu||pi)",
@@ -106,7 +107,7 @@ def test_lag_histogram_to_jsonl_as_dict_and_to_tensorboard_as_scalars_with_fake_
     logger.log(3, {"ess": 0.9, "lag_hist": {"0": 5, "2": 7}, "entropy": float("nan")})
     logger._tb = None
     logger.close()
-    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    (record,) = read_rows(tmp_path / "metrics.jsonl")
     assert record == {"step": 3, "ess": 0.9, "lag_hist": {"0": 5, "2": 7}, "entropy": None}
     assert writer.scalars == {"ess": 0.9, "lag_hist/0": 5, "lag_hist/2": 7}
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["lag_hist"]["2"] == 7

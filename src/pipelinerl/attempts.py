@@ -8,37 +8,26 @@ would be trained as if they belonged to the run's history (docs/reliability.md).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
+
+from pipelinerl.records import append_row, read_rows
 
 ATTEMPTS_FILE = "attempts.jsonl"
 
 
 def record_resume(run_dir: Path, attempt: int, step: int) -> list[tuple[int, int]]:
     """Record that `attempt` resumed from `step`; every resume of the run so far, in order."""
-    path = Path(run_dir) / ATTEMPTS_FILE
-    with path.open("a") as f:
-        f.write(json.dumps({"attempt": attempt, "resumed_from_step": step}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_row(Path(run_dir) / ATTEMPTS_FILE, {"attempt": attempt, "resumed_from_step": step})
     return read_resumes(run_dir)
 
 
 def read_resumes(run_dir: Path) -> list[tuple[int, int]]:
     """(attempt, the step it resumed from) per resume recorded. A line cut short by a crash
-    while it was written is the last one, and ignored: its attempt never ran."""
+    while it was written is skipped: its attempt never ran."""
     path = Path(run_dir) / ATTEMPTS_FILE
     if not path.exists():
         return []
-    resumes = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        resumes.append((int(row["attempt"]), int(row["resumed_from_step"])))
-    return resumes
+    return [(int(row["attempt"]), int(row["resumed_from_step"])) for row in read_rows(path)]
 
 
 def valid_upto(resumes: list[tuple[int, int]]) -> dict[int, int]:

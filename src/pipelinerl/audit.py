@@ -27,6 +27,7 @@ from typing import Any
 from pipelinerl.checkpoint import latest_checkpoint, read_state
 from pipelinerl.config import Config, load_config
 from pipelinerl.metrics.tables import markdown_table
+from pipelinerl.records import read_rows
 from pipelinerl.streams.local import segment_name
 
 
@@ -136,8 +137,7 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
     dropped: dict[str, str] = {}
     handled: Counter = Counter()
     steps = 0
-    for line in (run_dir / "trained.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in read_rows(run_dir / "trained.jsonl"):
         steps = row["step"] if state is None else min(row["step"], state["step"])
         if state is not None and row["step"] > state["step"]:
             continue  # a crashed attempt's step after its checkpoint (not resumed)

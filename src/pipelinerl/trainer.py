@@ -503,7 +503,8 @@ def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool
 def run_trainer(cfg: Config) -> None:
     from pipelinerl.checkpoint import CheckpointDue, agreed_latest_checkpoint, read_state
     from pipelinerl.eval_results import EvalResults, step_times
-    from pipelinerl.metrics.logger import METRICS, MetricsLogger, open_run_jsonl
+    from pipelinerl.metrics.logger import METRICS, MetricsLogger
+    from pipelinerl.records import open_resumed
     from pipelinerl.models.hf import load_model, load_tokenizer
     from pipelinerl.roles import (
         check_run_id_unused,
@@ -538,7 +539,7 @@ def run_trainer(cfg: Config) -> None:
         check_run_id_unused(cfg)
         logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
                                resume_step=resume_step, attempt=cfg.attempt)
-        audit = open_run_jsonl(run_dir / "trained.jsonl", resume_step, cfg.attempt)
+        audit = open_resumed(run_dir / "trained.jsonl", resume_step, cfg.attempt)
     # FSDP2: every rank builds the model empty (meta device), shards it, then receives its
     # shards of the weights from rank 0 (`load_shards`): no rank holds the whole model.
     fsdp = cfg.trainer.strategy == "fsdp2"
@@ -681,7 +682,7 @@ def _rank0_says(flag: bool, device: str) -> bool:
 
 
 def _plot(cfg: Config, metrics_path: Path) -> None:
-    from pipelinerl.metrics.logger import read_metrics
+    from pipelinerl.records import read_rows
     from pipelinerl.metrics.plot import plot_run
 
-    plot_run(read_metrics(metrics_path), cfg.run_dir / "metrics.png", title=cfg.name)
+    plot_run(read_rows(metrics_path), cfg.run_dir / "metrics.png", title=cfg.name)

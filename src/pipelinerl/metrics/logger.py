@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pipelinerl.config import MetricsConfig
+from pipelinerl.records import open_resumed
 
 METRICS = "metrics.jsonl"
 
@@ -16,9 +16,9 @@ METRICS = "metrics.jsonl"
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: MetricsConfig, run_name: str, config: dict[str, Any],
                  resume_step: int | None = None, attempt: int = 0):
-        """`resume_step`: a resumed run continues the file after that step (open_run_jsonl)."""
+        """`resume_step`: a resumed run continues the file after that step (open_resumed)."""
         self.path = run_dir / METRICS
-        self._file = open_run_jsonl(self.path, resume_step, attempt)
+        self._file = open_resumed(self.path, resume_step, attempt)
         self._tb = None
         self._wandb = None
         if cfg.tensorboard:
@@ -64,49 +64,6 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _open_synced(path: Path, mode: str) -> IO[str]:
-    """`path`, line-buffered and opened with O_DSYNC: each row is on disk when its write
-    returns. A checkpoint counts the rows written before it and is itself fsynced, so after a
-    machine crash a resume must find them too (else steps it counts are missing from the file,
-    and groups from trained.jsonl). One synchronous write per row, two per optimizer step
-    (~0.3 ms each on a local disk): negligible next to a step, and unlike a sync before each
-    checkpoint it needs nothing of the code that writes the rows and saves the checkpoints."""
-    return open(path, mode, buffering=1,
-                opener=lambda name, flags: os.open(name, flags | os.O_DSYNC, 0o666))
-
-
-def open_new_jsonl(path: Path) -> IO[str]:
-    """Create `path` for one launch's records; never append to another launch's file."""
-    try:
-        return _open_synced(path, "x")  # O_EXCL: two trainers cannot both get it
-    except FileExistsError:
-        raise FileExistsError(
-            f"{path} already exists: another launch wrote it. Choose another `name=` or "
-            "`output_dir=`, or remove the run directory (`pipelinerl train --overwrite` does)"
-        ) from None
-
-
-def open_run_jsonl(path: Path, resume_step: int | None, attempt: int) -> IO[str]:
-    """A new file for a new run; for a resumed one, the file cut back to the rows of steps up to
-    `resume_step` (the checkpoint's), then appended to. The rows a crashed attempt wrote after
-    its checkpoint describe weights that are gone: they move to `<name>.discarded.jsonl`,
-    marked with the attempt that discarded them, so the file has no repeated or skipped step."""
-    if resume_step is None:
-        return open_new_jsonl(path)
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
-    gone = [line for line in lines if line.strip() and json.loads(line)["step"] > resume_step]
-    if gone:  # on disk before the cut file replaces the one that holds them
-        with _open_synced(path.with_name(path.stem + ".discarded.jsonl"), "a") as f:
-            f.writelines(json.dumps({**json.loads(line), "discarded_by_attempt": attempt}) + "\n"
-                         for line in gone)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with _open_synced(tmp, "w") as f:  # on disk before the rename publishes it
-        f.write("".join(keep))
-    tmp.replace(path)  # atomic: a crash here leaves the old file or the cut one
-    return _open_synced(path, "a")
-
-
 def _clean(value: Any) -> Any:
     # JSON has no NaN/inf; keep the file parseable by any reader.
     if isinstance(value, float) and not math.isfinite(value):
@@ -128,7 +85,3 @@ def scalars(record: dict[str, Any]) -> dict[str, Any]:
             flat[key] = value
     return flat
 
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -7,8 +7,9 @@ or (1 + cos(pi p)) / 2 (cosine), reaching 0 at step max_steps, the step never ta
 
 A resume that changes `trainer.max_steps` (or `lr_schedule`) continues the decay from where it
 stands: from the resume step s0 with factor f0, p = (s - s0) / (max_steps - s0) and the factor
-is f0 times the shape, so the lr never jumps; a decay that ended (f0 = 0) is refused. A resume
-that changes `trainer.lr` applies it from the resume step on (`continue_schedule`).
+is f0 times the shape (constant: f0), so the lr never jumps. A decay that ended (f0 = 0) is
+refused, except as `constant`, which restarts at trainer.lr, as the log says. A resume that
+changes `trainer.lr` applies it from the resume step on (`continue_schedule`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class LrFactor:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.schedule == "constant":
-            return 1.0
+            return self.anchor_factor
         progress = min(1.0, (step - self.anchor_step) / max(1, self.max_steps - self.anchor_step))
         if self.schedule == "linear":
             return self.anchor_factor * (1.0 - progress)
@@ -64,11 +65,14 @@ def continue_schedule(scheduler: LambdaLR, tc: TrainerConfig) -> list[str]:
                 f"reached 0 at step {factor.max_steps}, so every step added would train with "
                 "lr 0. Resume with trainer.lr_schedule=constant (the lr of trainer.lr), or "
                 "start a new run from this one's final/ model")
+        # A decay that ended restarts at trainer.lr (the one way on from lr 0); every other
+        # change continues from the factor reached, so the lr does not jump.
+        start = 1.0 if now == 0 else now
         if step >= factor.warmup_steps:
-            factor.anchor_step, factor.anchor_factor = step, now
+            factor.anchor_step, factor.anchor_factor = step, start
         changes.append(f"lr schedule {factor.schedule} to step {factor.max_steps} -> "
-                       f"{tc.lr_schedule} to step {tc.max_steps}, continuing from factor "
-                       f"{now:.4g} at step {step}")
+                       f"{tc.lr_schedule} to step {tc.max_steps} from step {step}, at lr "
+                       f"factor {start:.4g}" + (" (it had reached 0)" if start != now else ""))
         factor.schedule, factor.max_steps = tc.lr_schedule, tc.max_steps
     if any(base != tc.lr for base in scheduler.base_lrs):
         changes.append(f"trainer.lr {scheduler.base_lrs[0]:.4g} -> {tc.lr:.4g} from step {step}")
