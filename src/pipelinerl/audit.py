@@ -9,7 +9,10 @@ trained.jsonl (cut back at each resume, docs/reliability.md), and counts per act
 - unread: published after the point the trainer had read to at its newest checkpoint, or read
   and waiting in it: the actors publish ahead of the trainer, so a finished run ends with some;
 - lost: published before that point, and neither trained, dropped nor waiting;
-- duplicated: trained or dropped more than once.
+- duplicated: trained or dropped more than once;
+- dropped by actors: groups an actor dropped before publishing (zero variance, a failed
+  verifier or environment, ...), by reason, from each actor process's newest record (a
+  process killed outright loses its counts since its last group or heartbeat).
 The last line reads `published N trained N dropped N lost N duplicated N`; the exit code is
 1 when lost or duplicated is above 0.
 """
@@ -46,14 +49,39 @@ class Tally:
     unread: int = 0
     lost: int = 0
     duplicated: int = 0
+    actor_dropped: Counter = field(default_factory=Counter)
 
     def row(self, name: str) -> list[str]:
-        dropped = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "-"
         return [name, str(self.published), str(self.trained), str(sum(self.dropped.values())),
-                dropped, str(self.unread), str(self.lost), str(self.duplicated)]
+                _by_reason(self.dropped), str(self.unread), str(self.lost), str(self.duplicated),
+                _by_reason(self.actor_dropped)]
 
 
-def local_records(root: Path, offsets: dict[str, Any]) -> Iterator[Published]:
+HEADER = ["", "published", "trained", "dropped", "dropped by reason", "unread", "lost",
+          "duplicated", "dropped by actors"]
+
+
+def _by_reason(counts: Counter) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
+def _actor_drops(record: dict[str, Any]) -> tuple[tuple[int, int, int], dict[str, int] | None]:
+    """(actor, attempt, process) of a group or heartbeat, and the groups that process had
+    dropped by then, by reason (counts start at 0 in each process); None if it says not."""
+    if record.get("heartbeat"):
+        process, counts = record.get("generation", 0), record.get("skipped")
+    else:
+        stats = record.get("actor_stats")
+        process = _process_of(str(record.get("group_id")))
+        counts = None if not isinstance(stats, dict) else {
+            k.removeprefix("skipped_"): v for k, v in stats.items() if k.startswith("skipped_")}
+    return (record.get("actor_id", -1), record.get("attempt", 0), process), counts
+
+
+Record = tuple[dict[str, Any], bool, str]  # a record, read by the checkpoint, id if it has none
+
+
+def local_records(root: Path, offsets: dict[str, Any]) -> Iterator[Record]:
     """Every record of the writers' segment files, each marked read or not by `offsets`."""
     from pipelinerl.streams.local import parse_segment
 
@@ -71,13 +99,10 @@ def local_records(root: Path, offsets: dict[str, Any]) -> Iterator[Published]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if record.get("heartbeat"):
-                    continue
-                yield Published(record.get("group_id", f"{writer}@{segment}:{end}"),
-                                record.get("actor_id", -1), (segment, end) <= limit)
+                yield record, (segment, end) <= limit, f"{writer}@{segment}:{end}"
 
 
-def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterator[Published]:
+def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterator[Record]:
     """The stream on the run's server; when that was the launcher's own (gone with the run),
     on a server started here over its append-only file in RUN_DIR/redis."""
     from redis.backoff import NoBackoff
@@ -105,11 +130,8 @@ def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterat
         while entries := client.xrange(stream_key(f"{cfg.name}:{cfg.run_id}", "rollouts"),
                                        min=last, max="+", count=1000):
             for entry_id, fields in entries:
-                record = json.loads(fields[b"d"])
-                if record.get("heartbeat"):
-                    continue
-                yield Published(record.get("group_id", entry_id.decode()),
-                                record.get("actor_id", -1), parse_id(entry_id.decode()) <= limit)
+                yield (json.loads(fields[b"d"]), parse_id(entry_id.decode()) <= limit,
+                       entry_id.decode())
             ms, seq = parse_id(entries[-1][0].decode())
             last = f"({ms}-{seq}"
     finally:
@@ -129,10 +151,18 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
                      "not trained or dropped counts as unread")
     waiting = {g["group_id"] for g in source["buffered"]}
     if cfg.stream.backend == "local":
-        published = list(local_records(run_dir / "streams" / cfg.run_id / "rollouts",
-                                       source["offsets"]))
+        records = local_records(run_dir / "streams" / cfg.run_id / "rollouts", source["offsets"])
     else:
-        published = list(redis_records(cfg, source["offsets"], run_dir))
+        records = redis_records(cfg, source["offsets"], run_dir)
+    published: list[Published] = []
+    actor_drops: dict[tuple[int, int, int], dict[str, int]] = {}  # per process, its newest
+    for record, read, fallback_id in records:
+        process, counts = _actor_drops(record)
+        if counts is not None:
+            actor_drops[process] = counts
+        if not record.get("heartbeat"):
+            published.append(Published(record.get("group_id", fallback_id),
+                                       record.get("actor_id", -1), read))
     trained: Counter = Counter()
     dropped: dict[str, str] = {}
     handled: Counter = Counter()
@@ -166,6 +196,9 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
                 t.lost += 1
             if handled[p.group_id] > 1:
                 t.duplicated += 1
+    for (actor, _, _), counts in actor_drops.items():
+        for t in (tallies[f"actor_{actor}"], tallies["total"]):
+            t.actor_dropped.update(counts)
     recorded = source.get("trimmed", 0)
     if trimmed or recorded:
         notes.append(f"{len(trimmed)} groups trained or dropped are no longer in the stream "
@@ -181,6 +214,12 @@ def _actor_of(group_id: str) -> int:
     return int(head[1:]) if head[1:].isdigit() else -1
 
 
+def _process_of(group_id: str) -> int:
+    """The actor process that made a group: `a<actor>-g<n>` 0, `a<actor>-r<r>-g<n>` r."""
+    parts = group_id.split("-")
+    return int(parts[1][1:]) if len(parts) == 3 and parts[1][1:].isdigit() else 0
+
+
 def main(run_dir: str) -> int:
     path = Path(run_dir)
     if not (path / "config.yaml").exists() or not (path / "trained.jsonl").exists():
@@ -188,8 +227,7 @@ def main(run_dir: str) -> int:
               "trained.jsonl)", file=sys.stderr)
         return 2
     tallies, notes = audit(path)
-    print(markdown_table(["", "published", "trained", "dropped", "dropped by reason", "unread",
-                          "lost", "duplicated"], [t.row(name) for name, t in tallies.items()]))
+    print(markdown_table(HEADER, [t.row(name) for name, t in tallies.items()]))
     for note in notes:
         print(f"- {note}")
     total = tallies.get("total", Tally())
