@@ -45,6 +45,7 @@ import torch.nn.functional as F
 H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM datasheet, dense bf16
 
 # Qwen2-0.5B's architecture (its real vocabulary; tied embeddings, q/k/v bias, GQA 14/2).
+DEFAULT_CAPACITIES, QUICK_CAPACITIES = (64, 128, 256), (8, 16)  # check 2's engine capacities
 QWEN2_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                  rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768)
@@ -65,7 +66,7 @@ class Ctx:
     out: Path
     results: dict[str, Any]
     pipeline_seconds: int = 75
-    capacities: tuple[int, ...] = (64, 128, 256)
+    capacities: tuple[int, ...] = DEFAULT_CAPACITIES
     hf: bool = True  # check 2 also times HF generate
 
     def sync(self) -> None:
@@ -332,10 +333,13 @@ def check_engine(ctx: Ctx) -> dict[str, Any]:
     shape = QUICK if ctx.quick else QWEN2_05B
     hf = build_hf(shape, dev, torch.bfloat16)
     rng = random.Random(5)
-    workloads = {}  # drawn for every capacity in order, so a subset runs the same requests
-    for cap in (8, 16) if ctx.quick else (64, 128, 256):
+    # Drawn for the default capacities first, then any other asked for: a subset of the
+    # defaults runs the same requests as the defaults do.
+    workloads = {}
+    defaults = QUICK_CAPACITIES if ctx.quick else DEFAULT_CAPACITIES
+    for cap in dict.fromkeys((*defaults, *ctx.capacities)):
         workloads[cap] = rl_lengths(4 * cap if cap <= 64 else 2 * cap, shape["vocab_size"], rng, ctx.quick)
-    for cap in (8, 16) if ctx.quick else ctx.capacities:
+    for cap in ctx.capacities:
         prompts, max_new = workloads[cap]
         n_req = len(prompts)
         max_len = max(len(p) + n for p, n in zip(prompts, max_new))
@@ -709,7 +713,8 @@ def main() -> None:
     parser.add_argument("--checks", default="1,2,3,4,5", help="comma-separated check numbers")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (the actor's default is 1)")
-    parser.add_argument("--capacities", default="64,128,256", help="engine capacities of check 2")
+    parser.add_argument("--capacities", default="",
+                        help="engine capacities of check 2 (default 64,128,256; --quick 8,16)")
     parser.add_argument("--no-hf", action="store_true", help="check 2 without the HF generate baseline")
     parser.add_argument("--pipeline-seconds", type=int, default=75, help="trainer.max_time_s of each run")
     args = parser.parse_args()
@@ -725,7 +730,8 @@ def main() -> None:
            f"{torch.__version__}; transformers {transformers.__version__}; python {sys.version.split()[0]}; "
            f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M')}")
     ctx = Ctx(device, args.quick, args.out, {"environment": env}, args.pipeline_seconds,
-              tuple(int(c) for c in args.capacities.split(",")), not args.no_hf)
+              tuple(int(c) for c in args.capacities.split(",")) if args.capacities
+              else QUICK_CAPACITIES if args.quick else DEFAULT_CAPACITIES, not args.no_hf)
     log(env)
     for number in args.checks.split(","):
         name = NAMES[number]
