@@ -12,7 +12,12 @@ import math
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
 from pipelinerl.engine import sampling
@@ -139,6 +144,65 @@ def test_threshold_matches_hf_warpers_with_per_row_parameters(
             ref = TopPLogitsWarper(float(top_p[i]))(None, ref)
         assert torch.equal(got[i], torch.isfinite(ref[0])), i
     assert kept(scaled, 0, 1.0).all()
+
+
+@pytest.mark.parametrize("candidates", [1024, 3])
+def test_min_p_then_top_k_then_top_p_match_hf_warpers_in_vllms_order(
+    candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM V1 applies min-p after temperature and before top-k and top-p (the endpoint's
+    `min_p`); a row without min-p is as before."""
+    monkeypatch.setattr(sampling, "_TOP_P_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(1)
+    scaled = 2 * torch.randn(7, VOCAB, generator=g)
+    min_p = torch.tensor([0.05, 0.0, 0.3, 0.01, 1.0, 0.2, 0.02])
+    top_k = torch.tensor([0, 5, 20, 0, 7, 0, 3])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 1.0, 0.5, 0.95, 1.0])
+    got = scaled >= truncation_threshold(scaled, top_k, top_p, min_p)
+    for i in range(len(scaled)):
+        ref = scaled[i : i + 1]
+        if min_p[i] > 0:
+            ref = MinPLogitsWarper(float(min_p[i]))(None, ref)
+        if top_k[i]:
+            ref = TopKLogitsWarper(int(top_k[i]))(None, ref)
+        if top_p[i] < 1:
+            ref = TopPLogitsWarper(float(top_p[i]))(None, ref)
+        assert torch.equal(got[i], torch.isfinite(ref[0])), i
+    only_min_p = scaled >= truncation_threshold(scaled, 0, 1.0, min_p)
+    assert torch.equal(only_min_p[1], torch.ones(VOCAB, dtype=torch.bool))
+    assert only_min_p[4].sum() == 1 and not only_min_p[0].all()
+
+
+def test_repetition_penalty_matches_hf_on_each_rows_own_tokens() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = 3 * torch.randn(3, VOCAB, generator=g)
+    tokens = torch.randint(0, VOCAB, (3, 12), generator=g)
+    lengths = torch.tensor([12, 5, 1])  # what follows a row's length is not its own
+    penalty = torch.tensor([1.5, 0.7, 1.0])
+    got = sampling.apply_repetition_penalty(logits, tokens, lengths, penalty)
+    for i in range(3):
+        want = RepetitionPenaltyLogitsProcessor(float(penalty[i]))(
+            tokens[i : i + 1, : lengths[i]], logits[i : i + 1].clone())
+        assert torch.equal(got[i], want[0]), i
+    assert not torch.equal(got[1], logits[1]) and torch.equal(got[2], logits[2])
+
+
+def test_a_row_with_its_own_generator_draws_the_same_whatever_shares_the_batch() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, VOCAB, generator=g)
+
+    def draw(rows: list[int], shared_seed: int) -> list[int]:
+        own = torch.Generator().manual_seed(11)  # the row's seed
+        tokens = []
+        for _ in range(20):
+            t, _ = sample_tokens(logits[rows], torch.ones(len(rows)), torch.zeros(len(rows)),
+                                 torch.ones(len(rows)), torch.Generator().manual_seed(shared_seed),
+                                 truncate=False, own_generators=[(len(rows) - 1, own)])
+            tokens.append(int(t[-1]))
+        return tokens
+
+    alone = draw([0], 0)
+    assert draw([1, 2, 3, 0], 5) == alone and len(set(alone)) > 1
 
 
 def test_ties_at_the_boundary_are_kept_together() -> None:

@@ -35,6 +35,8 @@ from pipelinerl.types import (
 )
 
 if TYPE_CHECKING:  # aiohttp and verifiers are imported only by an actor that uses them
+    from transformers import PreTrainedTokenizerBase
+
     from pipelinerl.endpoint import GenerateEndpoint
     from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
 
@@ -514,22 +516,25 @@ class Actor:
         self._last_write = time.monotonic()
 
 
-def open_endpoint(cfg: Any, actor_id: int, vocab_size: int, required: bool = False
+def open_endpoint(cfg: Any, actor_id: int, tokenizer: PreTrainedTokenizerBase,
+                  eos_token_ids: tuple[int, ...], required: bool = False
                   ) -> GenerateEndpoint | None:
     """The actor's generate endpoint (actor.endpoint_port; actor i on port + i; a free port
-    when unset but `required`), its URL written to <run_dir>/endpoints/actor_<i> for clients
-    to find; None when not asked for."""
+    when unset but `required`), stopping at the model's `eos_token_ids` unless a request
+    says otherwise, its URL in <run_dir>/endpoints/actor_<i> for clients to find while it
+    serves (a restarted actor's replaces it); None when not asked for."""
     if cfg.actor.endpoint_port is None and not required:
         return None
     from pipelinerl.endpoint import GenerateEndpoint
 
     port = cfg.actor.endpoint_port + actor_id if cfg.actor.endpoint_port else 0
+    # vLLM crashes on a request's own seed once an update clears its cache (docs/vllm.md, 6).
+    vllm_recomputes = cfg.engine.backend == "vllm" and cfg.engine.recompute_kv_on_update
     endpoint = GenerateEndpoint(model=cfg.model.path, max_model_len=cfg.engine.max_seq_len,
-                                vocab_size=vocab_size, default_max_tokens=cfg.engine.max_new_tokens,
-                                port=port)
-    where = cfg.run_dir / "endpoints" / f"actor_{actor_id}"
-    where.parent.mkdir(parents=True, exist_ok=True)
-    where.write_text(endpoint.url + "\n")
+                                vocab_size=len(tokenizer), default_max_tokens=cfg.engine.max_new_tokens,
+                                eos_token_ids=eos_token_ids, tokenizer=tokenizer,
+                                refused={"seed"} if vllm_recomputes else (),
+                                url_file=cfg.run_dir / "endpoints" / f"actor_{actor_id}", port=port)
     log.info("actor %d serves its engine's generate endpoint at %s", actor_id, endpoint.url)
     return endpoint
 
@@ -625,7 +630,7 @@ def run_actor(cfg: Any, actor_id: int) -> None:
     if hasattr(task, "shard"):  # a dataset: each actor reads its own positions
         task.shard(actor_id, cfg.actor.num_actors)
     episodic = getattr(task, "episodic", False)
-    endpoint = open_endpoint(cfg, actor_id, len(tokenizer), required=episodic)
+    endpoint = open_endpoint(cfg, actor_id, tokenizer, stop_ids, required=episodic)
     episodes = None
     if episodic:
         from pipelinerl.envs.verifiers.episodes import open_episodes

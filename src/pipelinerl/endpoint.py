@@ -10,9 +10,19 @@ ids with each token's log-prob, and here also each token's policy version.
              "logprobs": {"content": [{"token": "token_id:<id>", "logprob"}]},
              "versions": [int]}]}
 
-`sampling_params` are vLLM's names (`temperature`, `top_p`, `top_k`, `max_tokens`,
-`stop_token_ids`, `n`); others (`logprobs`, `skip_special_tokens`, `seed`, ...) are accepted and
-ignored: log-probs are always returned, tokens are ids, and the engine has one sampler seed.
+`sampling_params` are vLLM's, with vLLM's meaning (pipelinerl.engine.sampling says how they
+sample): `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `seed` (draws of the
+request's own, the same whatever shares its batch), `max_tokens`, `n` (1), `stop_token_ids`
+(added to the model's end tokens, which stop a completion unless `ignore_eos`), `stop`
+(strings: the completion ends once its text, decoded with `skip_special_tokens`, holds one;
+its tokens stay whole, finish_reason "stop"). Each token's log-prob is that of the
+distribution it was sampled from, after all of these. Accepted without effect, since they
+shape text this route does not return or a prompt already rendered: `logprobs` (the sampled
+token's log-prob comes back, whatever it asks), `detokenize`, `spaces_between_special_tokens`,
+`include_stop_str_in_output`, `output_kind`, and verifiers' `routed_experts_prompt_start` and
+`reasoning_effort`. vLLM's others (`presence_penalty`, `frequency_penalty`, `min_tokens`,
+`logit_bias`, ...) are refused unless they are at vLLM's default, and unknown fields are
+refused: a 400 names them, rather than a completion sampled otherwise than asked.
 
 A request with an `X-Session-ID` header (verifiers' TrainClient sends its trace id) has its
 answer kept under that id until `take_session` collects it: the traces an environment library
@@ -31,21 +41,28 @@ or aborted in the engine (`abort_abandoned`), rather than decoded to its end for
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipelinerl.engine.sampling import StopStrings
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from pipelinerl.engine.base import Engine
 
 log = logging.getLogger(__name__)
@@ -54,14 +71,33 @@ REQUEST_PREFIX = "ep-"  # request ids of the endpoint's requests in the engine
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # then checked: `_NO_EFFECT`, `_UNSUPPORTED`
 
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1, description="vLLM's -1 (or 0): off")
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # torch's seed range
     max_tokens: int | None = Field(default=None, gt=0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True  # in the text that `stop` strings are looked for in
     n: int = Field(default=1, ge=1, le=1, description="one completion per request")
+
+
+# sampling_params accepted without effect: they shape the text, which this route does not
+# return (`logprobs`: the sampled token's always comes back), or the prompt, rendered already.
+_NO_EFFECT = frozenset({"logprobs", "detokenize", "spaces_between_special_tokens",
+                        "include_stop_str_in_output", "output_kind",
+                        "routed_experts_prompt_start", "reasoning_effort"})
+# vLLM's sampling_params not honoured here: refused unless at vLLM's default (or null).
+_UNSUPPORTED: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "best_of": 1,
+    "prompt_logprobs": None, "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+    "structured_outputs": None, "guided_decoding": None, "logits_processors": None,
+    "truncate_prompt_tokens": None, "extra_args": None}
 
 
 class _Generate(BaseModel):
@@ -90,13 +126,26 @@ class Answer:
 
 
 class GenerateEndpoint:
-    """Serves `model` on http://host:port (port 0: a free one, then in `.port`)."""
+    """Serves `model` on http://host:port (port 0: a free one, then in `.port`).
+
+    `eos_token_ids`: the model's end tokens, which stop every completion unless it asks
+    `ignore_eos`. `tokenizer`: the model's (a fast one), to look for `stop` strings in the
+    text; without it they are refused. `refused`: sampling_params the engine behind cannot
+    honour, refused when set. `url_file`: written with the URL once serving, and removed by
+    `close` unless another endpoint wrote its own there since."""
 
     def __init__(self, *, model: str, max_model_len: int, vocab_size: int,
-                 default_max_tokens: int, host: str = "127.0.0.1", port: int = 0,
+                 default_max_tokens: int, eos_token_ids: Collection[int] = (),
+                 tokenizer: PreTrainedTokenizerBase | None = None,
+                 refused: Collection[str] = (), url_file: Path | None = None,
+                 host: str = "127.0.0.1", port: int = 0,
                  max_pending: int = 256, max_sessions: int = 4096) -> None:
         self.model, self.max_model_len, self.vocab_size = model, max_model_len, vocab_size
         self.default_max_tokens = default_max_tokens
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._detokenizer = getattr(tokenizer, "backend_tokenizer", None)  # a fast one's
+        self.refused = frozenset(refused)
+        self.url_file = url_file
         self.host = host
         self._queue: queue.Queue[tuple[GenerationRequest, _Waiting]] = queue.Queue(max_pending)
         self._waiting: dict[str, _Waiting] = {}  # in the engine, by request id
@@ -117,6 +166,12 @@ class GenerateEndpoint:
         if self._error is not None:
             raise RuntimeError(f"generate endpoint: cannot serve on {host}:{port}: "
                                f"{self._error}") from self._error
+        if url_file is not None:  # replaced whole: a client never reads half of it
+            url_file.parent.mkdir(parents=True, exist_ok=True)
+            part = url_file.with_name(f".{url_file.name}.{os.getpid()}")
+            part.write_text(self.url + "\n")
+            os.replace(part, url_file)
+            atexit.register(self._remove_url_file)  # a process that ends without `close`
 
     @property
     def url(self) -> str:
@@ -190,10 +245,18 @@ class GenerateEndpoint:
                 break
         for waiting in pending:
             waiting.loop.call_soon_threadsafe(_resolve, waiting.future, None)
+        self._remove_url_file()
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+    def _remove_url_file(self) -> None:
+        """No file naming a dead port; one a later endpoint wrote (a restart) stays."""
+        if self.url_file is not None:
+            atexit.unregister(self._remove_url_file)
+            if _read(self.url_file) == self.url + "\n":
+                self.url_file.unlink(missing_ok=True)
 
     # -- the server's side (its own thread) ---------------------------------------------------
     def _serve(self, port: int) -> None:
@@ -229,15 +292,8 @@ class GenerateEndpoint:
         problem = self._check(body)
         if problem:
             return _error(400, problem)
-        p = body.sampling_params
-        # A later turn of an episode may ask more than the context has left: it gets what
-        # fits, and finish_reason "length", rather than an error that ends the episode.
-        room = self.max_model_len - len(body.token_ids)
-        request = GenerationRequest(
-            f"{REQUEST_PREFIX}{next(self._ids)}", list(body.token_ids),
-            SamplingParams(max_new_tokens=min(p.max_tokens or self.default_max_tokens, room),
-                           temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k),
-                           stop_token_ids=tuple(p.stop_token_ids)))
+        request = GenerationRequest(f"{REQUEST_PREFIX}{next(self._ids)}", list(body.token_ids),
+                                    self._sampling(body))
         waiting = _Waiting(asyncio.get_running_loop(), asyncio.get_running_loop().create_future(),
                            http.headers.get("X-Session-ID"))
         with self._lock:
@@ -265,13 +321,52 @@ class GenerateEndpoint:
         bad = [t for t in body.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-        stops = [t for t in body.sampling_params.stop_token_ids if not 0 <= t < self.vocab_size]
+        p = body.sampling_params
+        stops = [t for t in p.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if stops:
             return f"stop_token_ids outside the vocabulary: {stops[:5]}"
         if len(body.token_ids) >= self.max_model_len:
             return (f"prompt of {len(body.token_ids)} tokens leaves no room to generate in "
                     f"max_model_len {self.max_model_len}")
+        return self._check_fields(p)
+
+    def _check_fields(self, p: _Sampling) -> str:
+        """What in `p` is not honoured here: a field unknown, not supported, or refused by the
+        engine, set; stop strings that cannot be looked for."""
+        extra = {k: v for k, v in (p.model_extra or {}).items()
+                 if v is not None and k not in _NO_EFFECT}
+        unknown = sorted(k for k in extra if k not in _UNSUPPORTED)
+        if unknown:
+            return f"unknown sampling_params {unknown}"
+        unsupported = sorted(k for k, v in extra.items() if v != _UNSUPPORTED[k])
+        if unsupported:
+            return (f"sampling_params {unsupported} are not supported by this endpoint "
+                    f"(only at vLLM's defaults: {[_UNSUPPORTED[k] for k in unsupported]})")
+        refused = sorted(k for k in self.refused
+                         if getattr(p, k) != _Sampling.model_fields[k].default)
+        if refused:
+            return f"sampling_params {refused} cannot be honoured by this actor's engine"
+        strings = [p.stop] if isinstance(p.stop, str) else p.stop or []
+        if strings and self._detokenizer is None:
+            return "stop strings need the model's fast tokenizer, which this endpoint lacks"
+        if "" in strings:
+            return "stop holds an empty string"
         return ""
+
+    def _sampling(self, body: _Generate) -> SamplingParams:
+        p = body.sampling_params
+        # A later turn of an episode may ask more than the context has left: it gets what
+        # fits, and finish_reason "length", rather than an error that ends the episode.
+        room = self.max_model_len - len(body.token_ids)
+        # vLLM's: a request's stop tokens are added to the model's end tokens.
+        stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids or ())
+        strings = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
+        return SamplingParams(
+            max_new_tokens=min(p.max_tokens or self.default_max_tokens, room),
+            temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k), min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty, seed=p.seed,
+            stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            stop=StopStrings(strings, self._detokenizer, p.skip_special_tokens) if strings else None)
 
     def _response(self, out: GenerationOutput) -> dict[str, Any]:
         return {"request_id": out.request_id, "model": self.model, "choices": [{
@@ -285,6 +380,13 @@ class GenerateEndpoint:
 def _resolve(future: asyncio.Future, value: dict[str, Any] | None) -> None:
     if not future.done():  # the client may have gone (its handler cancelled)
         future.set_result(value)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
 def _error(status: int, message: str) -> web.Response:

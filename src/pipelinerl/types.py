@@ -8,7 +8,10 @@ weights and ESS are exact per token.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipelinerl.engine.sampling import StopStrings
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,16 @@ class SamplingParams:
     # Token sequences that end the sequence too (the turn of a multi-turn rollout: a tool
     # call's closing tag); the whole sequence is part of the output, as a stop token is.
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+    # vLLM's, for the generate endpoint's clients (pipelinerl.engine.sampling says how they
+    # sample; the trainer does not apply them): tokens below min_p times the most probable
+    # are dropped (0 = disabled); the logits of tokens already in the sequence are divided
+    # (positive) or multiplied (negative) by repetition_penalty (1 = disabled); a seed gives
+    # the request draws of its own, the same whatever shares its batch (None: the engine's).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    # Text that ends the sequence (vLLM's `stop`); its tokens are part of the output.
+    stop: StopStrings | None = None
 
 
 @dataclass

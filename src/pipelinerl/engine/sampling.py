@@ -12,12 +12,25 @@ depends on the values only, never on how a sort orders equal values:
   - top-p keeps the smallest prefix of the descending order whose mass reaches p (a token is
     dropped once the mass before it already reaches p), plus every token equal to the last one
     kept (vLLM's and transformers' sort order decides among such equals instead).
+
+Requests may ask more of the engine, as vLLM's sampler does them (V1, in this order):
+`repetition_penalty` changes the raw logits of every token already in the sequence, before
+everything else (greedy rows too); `min_p` keeps the tokens whose probability is at least
+`min_p` times the largest, after temperature and before top-k; `StopStrings` end a sequence
+once its decoded text holds one of them. The log-prob the engine reports is then that of the
+distribution these leave. The trainer knows only temperature, top-k and top-p.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 # Candidates taken first for top-p without top-k: a top-p set rarely needs more; a row that
@@ -26,10 +39,12 @@ _TOP_P_CANDIDATES = 1024
 
 
 @torch.no_grad()
-def truncation_threshold(scaled: Tensor, top_k: Tensor | int, top_p: Tensor | float) -> Tensor:
-    """The smallest kept value of each row of `scaled` (n, V) (logits / T) under top-k, then
-    top-p; -inf where neither truncates. `top_k` (0: off) and `top_p` (1: off) are per row (n,)
-    or one for all rows. Returns (n, 1): the kept set is `scaled >= threshold`.
+def truncation_threshold(scaled: Tensor, top_k: Tensor | int, top_p: Tensor | float,
+                         min_p: Tensor | float = 0.0) -> Tensor:
+    """The smallest kept value of each row of `scaled` (n, V) (logits / T) under min-p, then
+    top-k, then top-p; -inf where none truncates. `top_k` (0: off), `top_p` (1: off) and
+    `min_p` (0: off) are per row (n,) or one for all rows. Returns (n, 1): the kept set is
+    `scaled >= threshold`.
 
     Only the largest candidates are sorted (`topk`), not the whole vocabulary: a full sort of
     a 150k vocabulary cost 3 times the trainer's log-softmax fwd+bwd around it (H100). Sizing
@@ -40,14 +55,17 @@ def truncation_threshold(scaled: Tensor, top_k: Tensor | int, top_p: Tensor | fl
     use_k, use_p = top_k > 0, top_p < 1
     k = torch.where(use_k, top_k.clamp(max=vocab), 1)
     any_p = bool(use_p.any())
+    floor = _min_p_floor(scaled, min_p)
     m = int(torch.where(use_k, k, 0).max())
     if any_p:
         m = max(m, min(vocab, _TOP_P_CANDIDATES))
     if m == 0:
-        return scaled.new_full((n, 1), float("-inf"))
+        return floor
     while True:
         values = scaled.topk(m, dim=-1).values  # descending: the sorted prefix of each row
         kth = torch.where(use_k.unsqueeze(1), values.gather(1, k.unsqueeze(1) - 1), float("-inf"))
+        # Both keep a prefix of the descending order: together, the shorter one.
+        kth = torch.maximum(kth, floor)
         if not any_p:
             return kth
         # The top-k-renormalised probabilities: the top-k set is every token >= kth.
@@ -63,3 +81,81 @@ def truncation_threshold(scaled: Tensor, top_k: Tensor | int, top_p: Tensor | fl
         if m == vocab or not bool(short.any()):
             return torch.maximum(kth, pth)
         m = min(vocab, 8 * m)
+
+
+def _min_p_floor(scaled: Tensor, min_p: Tensor | float) -> Tensor:
+    """Per row (n, 1): p >= min_p * p_max, that is scaled >= max + log(min_p); -inf for
+    min_p = 0 (without a pass over the rows, or for a number a host sync, when none uses it)."""
+    n = scaled.shape[0]
+    if not (min_p > 0 if isinstance(min_p, (int, float)) else bool((min_p > 0).any())):
+        return scaled.new_full((n, 1), float("-inf"))
+    min_p = torch.as_tensor(min_p, dtype=scaled.dtype, device=scaled.device).expand(n)
+    return (scaled.amax(dim=-1) + min_p.log()).unsqueeze(1)  # log 0 = -inf: off
+
+
+def apply_repetition_penalty(logits: Tensor, tokens: Tensor, lengths: Tensor,
+                             penalty: Tensor) -> Tensor:
+    """vLLM's (and transformers') repetition penalty: the logit of every token among the
+    first `lengths[i]` of `tokens[i]` (prompt and generated) is divided by `penalty[i]` where
+    positive, multiplied where negative. `logits` (n, V); `tokens` (n, >= max length);
+    `lengths`, `penalty` (n,); a row with penalty 1 is unchanged."""
+    width = int(lengths.max())
+    valid = torch.arange(width, device=tokens.device) < lengths.to(tokens.device).unsqueeze(1)
+    # Positions past a row's length name its first token instead, which is in it anyway.
+    ids = torch.where(valid, tokens[:, :width], tokens[:, :1])
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
+    p = penalty.unsqueeze(1)
+    return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+@dataclass(frozen=True)
+class StopStrings:
+    """vLLM's `stop`: a sequence ends once the text of its turn's tokens, decoded as they
+    come (skipping special tokens or not), holds one of `strings`; the tokens stay whole.
+    `tokenizer` is a `tokenizers.Tokenizer` (a fast tokenizer's `backend_tokenizer`)."""
+
+    strings: tuple[str, ...]
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+
+    def matcher(self, context: list[int]) -> StopMatcher:
+        """A matcher for a turn that follows the tokens `context` (decoded in their light:
+        a leading space, a character split over tokens)."""
+        return StopMatcher(self, context)
+
+
+class StopMatcher:
+    """One turn's text, decoded incrementally (tokenizers' `DecodeStream`, as vLLM does)."""
+
+    def __init__(self, stop: StopStrings, context: list[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._stop = stop
+        self._stream = DecodeStream(ids=context[-_STOP_CONTEXT:],
+                                    skip_special_tokens=stop.skip_special_tokens)
+        self.text = ""
+
+    def feed(self, token_id: int) -> str | None:
+        """Take the next token; return the first of the stop strings its text now holds."""
+        try:
+            chunk = self._stream.step(self._stop.tokenizer, token_id)
+        except Exception as e:  # noqa: BLE001 - only the one below is recovered from
+            # A tokenizer whose output is not monotonic UTF-8 breaks the stream's state
+            # (vLLM recovers the same way): decode on from this token, without context.
+            if not str(e).startswith("Invalid prefix encountered"):
+                raise
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self._stop.skip_special_tokens)
+            chunk = self._stream.step(self._stop.tokenizer, token_id)
+        if not chunk:  # part of a character, or a skipped special token
+            return None
+        new_from = len(self.text)
+        self.text += chunk
+        # Only an occurrence that ends in the new text is new (an older one stopped already).
+        return next((s for s in self._stop.strings
+                     if self.text.find(s, max(0, new_from - len(s) + 1)) >= 0), None)
+
+
+# Context tokens a matcher decodes the turn's first tokens after (vLLM primes with fewer).
+_STOP_CONTEXT = 8

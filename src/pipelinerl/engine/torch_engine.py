@@ -19,11 +19,11 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from pipelinerl.engine.sampling import truncation_threshold
+from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, truncation_threshold
 from pipelinerl.engine.base import ReceiveFn
 from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
@@ -54,23 +54,30 @@ def sample_tokens(
     top_p: torch.Tensor,
     generator: torch.Generator,
     truncate: bool,
+    min_p: torch.Tensor | float = 0.0,
+    own_generators: Sequence[tuple[int, torch.Generator]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of fp32 `logits` [n, V] with per-row parameters; return the
     tokens and their log-probs under the distribution actually sampled from: softmax of
-    logits / T restricted to the top-k, then top-p, set and renormalised (`engine.sampling`,
-    which the trainer applies too). Rows with T = 0 are greedy and report log_softmax of the
-    raw logits. `truncate` is False when no row uses top-k/top-p, which skips the vocabulary
-    sort."""
+    logits / T restricted to the min-p, then top-k, then top-p, set and renormalised
+    (`engine.sampling`; the trainer applies top-k and top-p too). Rows with T = 0 are greedy
+    and report log_softmax of the logits. `truncate` is False when no row uses top-k, top-p
+    or min-p, which skips the vocabulary sort. Rows named in `own_generators` (row,
+    generator) draw from their own generator (a request's seed), the others from
+    `generator`."""
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
     if truncate:
         threshold = truncation_threshold(
-            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p)
+            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p),
+            torch.where(greedy, 0.0, torch.as_tensor(min_p, device=scaled.device)),
         )
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     logprobs = scaled.log_softmax(dim=-1)
     # Exponential-race sampling (argmax p / E, E ~ Exp(1)) draws from p without a host sync.
     noise = torch.empty_like(logprobs).exponential_(generator=generator)
+    for row, own in own_generators:
+        noise[row].exponential_(generator=own)
     tokens = torch.where(greedy, logprobs.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
@@ -127,6 +134,8 @@ class TorchEngine:
         self._temperature = torch.ones(capacity, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(capacity, dtype=torch.long, device=dev)
         self._top_p = torch.ones(capacity, dtype=torch.float32, device=dev)
+        self._min_p = torch.zeros(capacity, dtype=torch.float32, device=dev)
+        self._penalty = torch.ones(capacity, dtype=torch.float32, device=dev)  # repetition
         self._stop_ids = torch.full((capacity, 1), -1, dtype=torch.long, device=dev)  # -1 pads
         # Stop sequences, right-aligned, -1 on the left matches anything: (capacity, S, W).
         self._stop_seqs = torch.full((capacity, 0, 0), -1, dtype=torch.long, device=dev)
@@ -134,7 +143,11 @@ class TorchEngine:
         self._len = torch.zeros(capacity, dtype=torch.long)  # tokens in the sequence; the last is not yet in the cache
         self._turn_start = torch.zeros(capacity, dtype=torch.long)  # where this turn's generated tokens begin
         self._max_new = torch.zeros(capacity, dtype=torch.long)
-        self._truncates = torch.zeros(capacity, dtype=torch.bool)  # uses top-k or top-p
+        self._truncates = torch.zeros(capacity, dtype=torch.bool)  # uses top-k, top-p or min-p
+        self._penalised = torch.zeros(capacity, dtype=torch.bool)  # repetition penalty != 1
+        # A request's own sampler (its seed) and its stop strings' matcher, per slot.
+        self._generators: list[torch.Generator | None] = [None] * capacity
+        self._matchers: list[StopMatcher | None] = [None] * capacity
         self._parked = torch.zeros(capacity, dtype=torch.bool)
         self._stale = torch.zeros(capacity, dtype=torch.bool)  # parked across a recomputing update
 
@@ -191,16 +204,19 @@ class TorchEngine:
                 f"request {request.request_id!r}: prompt of {n} tokens + max_new_tokens={p.max_new_tokens} "
                 f"= {n + p.max_new_tokens} exceeds the engine's max_seq_len={self.max_seq_len}"
             )
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+        if (p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p <= 1
+                or p.repetition_penalty <= 0):
             raise ValueError(
                 f"request {request.request_id!r}: invalid sampling params temperature={p.temperature}, "
-                f"top_p={p.top_p}, top_k={p.top_k} (need temperature >= 0, 0 < top_p <= 1, top_k >= 0)"
+                f"top_p={p.top_p}, top_k={p.top_k}, min_p={p.min_p}, repetition_penalty="
+                f"{p.repetition_penalty} (need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
+                f"0 <= min_p <= 1, repetition_penalty > 0)"
             )
         vocab = self.model.config.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise ValueError(f"request {request.request_id!r}: prompt token ids outside [0, {vocab})")
-        if any(not seq for seq in p.stop_sequences):
-            raise ValueError(f"request {request.request_id!r}: an empty stop sequence")
+        if any(not seq for seq in p.stop_sequences) or (p.stop and not all(p.stop.strings)):
+            raise ValueError(f"request {request.request_id!r}: an empty stop sequence or string")
         self._queue.append(request)
 
     def extend(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
@@ -348,6 +364,13 @@ class TorchEngine:
         self._temperature[slot] = p.temperature
         self._top_k[slot] = p.top_k
         self._top_p[slot] = p.top_p
+        self._min_p[slot] = p.min_p
+        self._penalty[slot] = p.repetition_penalty
+        self._penalised[slot] = p.repetition_penalty != 1
+        self._generators[slot] = None
+        if p.seed is not None:
+            self._generators[slot] = torch.Generator(device=self.device)
+            self._generators[slot].manual_seed(p.seed)
         stops = p.stop_token_ids
         if len(stops) > self._stop_ids.shape[1]:
             pad = torch.full((self._capacity, len(stops) - self._stop_ids.shape[1]), -1, dtype=torch.long, device=self.device)
@@ -362,7 +385,9 @@ class TorchEngine:
         """A turn starts at the slot's current length, generating under `p`."""
         self._turn_start[slot] = self._len[slot]
         self._max_new[slot] = p.max_new_tokens
-        self._truncates[slot] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
+        self._truncates[slot] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
+        self._matchers[slot] = (p.stop.matcher(self._tokens[slot, : int(self._len[slot])].tolist())
+                                if p.stop else None)
         seqs = p.stop_sequences
         width = max((len(q) for q in seqs), default=0)
         if len(seqs) > self._stop_seqs.shape[1] or width > self._stop_seqs.shape[2]:
@@ -440,13 +465,19 @@ class TorchEngine:
 
     def _sample_into(self, start: int, end: int, logits: torch.Tensor) -> None:
         """Sample the next token of slots start..end-1 and append it with its log-prob/version."""
+        logits = logits.float()
+        if self._penalised[start:end].any():
+            logits = apply_repetition_penalty(logits, self._tokens[start:end],
+                                              self._len[start:end], self._penalty[start:end])
         tokens, logprobs = sample_tokens(
-            logits.float(),
+            logits,
             self._temperature[start:end],
             self._top_k[start:end],
             self._top_p[start:end],
             self._generator,
             bool(self._truncates[start:end].any()),
+            self._min_p[start:end],
+            [(s - start, g) for s, g in enumerate(self._generators[start:end], start) if g],
         )
         rows = torch.arange(start, end, device=self.device)
         cols = self._len[start:end].to(self.device)
@@ -467,6 +498,11 @@ class TorchEngine:
         if self._stop_seqs.shape[1]:
             stopped |= self._ends_with_stop_sequence(start, rows)
         stopped = stopped.cpu()
+        if any(self._matchers[start:n]):
+            lasts = last.tolist()
+            for i, matcher in enumerate(self._matchers[start:n]):
+                if matcher is not None and matcher.feed(lasts[i]) is not None:
+                    stopped[i] = True
         full = self._len[start:n] - self._turn_start[start:n] >= self._max_new[start:n]
         done = (stopped | full).nonzero().flatten()
         if not len(done):
@@ -511,9 +547,9 @@ class TorchEngine:
     def _slot_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The per-slot tensors (rows indexed by slot): per position, and per slot."""
         per_position = [self._tokens, self._logprobs, self._versions]
-        per_slot = [self._temperature, self._top_k, self._top_p, self._stop_ids, self._stop_seqs,
-                    self._len, self._turn_start, self._max_new, self._truncates, self._parked,
-                    self._stale]
+        per_slot = [self._temperature, self._top_k, self._top_p, self._min_p, self._penalty,
+                    self._stop_ids, self._stop_seqs, self._len, self._turn_start, self._max_new,
+                    self._truncates, self._penalised, self._parked, self._stale]
         return per_position, per_slot
 
     def _move(self, src: list[int], dst: list[int]) -> None:
@@ -529,9 +565,10 @@ class TorchEngine:
             t[dst, :length] = t[src, :length]
         for t in per_slot:
             t[dst] = t[src]
-        requests = [self._requests[s] for s in src]
-        for d, r in zip(dst, requests):
-            self._requests[d] = r
+        for objects in (self._requests, self._generators, self._matchers):
+            moved = [objects[s] for s in src]
+            for d, o in zip(dst, moved):
+                objects[d] = o
 
     def _deactivate(self, slots: list[int], keep: list[bool] | None = None) -> list[int]:
         """Take `slots` out of the active ones, keeping those packed at the front: the last
@@ -563,7 +600,7 @@ class TorchEngine:
 
     def _free(self, slots: list[int]) -> None:
         for s in slots:
-            self._requests[s] = None
+            self._requests[s] = self._generators[s] = self._matchers[s] = None
         self._len[slots] = 0
         self._parked[slots] = False
         self._stale[slots] = False

@@ -42,6 +42,7 @@ from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
 from pipelinerl.engine.base import ReceiveFn
+from pipelinerl.engine.sampling import StopMatcher
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turn: int = 0  # continuations of a held request: vLLM request `<id>#<turn>`
+    # Its stop strings' (vLLM has no tokenizer here: `skip_tokenizer_init`).
+    matcher: StopMatcher | None = None
 
     def ends_with_stop_sequence(self) -> bool:
         return any(len(self.token_ids) >= len(q) and tuple(self.token_ids[-len(q):]) == q
@@ -250,12 +253,17 @@ class VllmEngine:
             )
         if request.request_id in self._active or request.request_id in self._held:
             raise ValueError(f"request id {request.request_id!r} is already active")
-        if any(not q for q in params.stop_sequences):
-            raise ValueError(f"request {request.request_id!r}: an empty stop sequence")
+        if any(not q for q in params.stop_sequences) or (params.stop and not all(params.stop.strings)):
+            raise ValueError(f"request {request.request_id!r}: an empty stop sequence or string")
+        if params.seed is not None and self._recompute_kv:
+            raise ValueError(f"request {request.request_id!r}: a request's own seed crashes vLLM "
+                             "once an update clears its cache (recompute_kv_on_update)")
         self._submit(_Sequence(request, list(prompt)))
 
     def _submit(self, seq: _Sequence) -> None:
         vllm_id = seq.request.request_id + (f"#{seq.turn}" if seq.turn else "")
+        stop = seq.request.params.stop
+        seq.matcher = stop.matcher(seq.context) if stop else None
         self._llm.add_request(vllm_id, tokens_input(list(seq.context)), _to_vllm(seq.request.params))
         self._active[vllm_id] = seq
 
@@ -323,9 +331,11 @@ class VllmEngine:
         seq.logprobs.extend(lp[t].logprob for t, lp in zip(new_ids, step_logprobs))
         seq.versions.extend([version] * len(new_ids))
         finish_reason = completion.finish_reason
+        matched = seq.matcher is not None and any(
+            [seq.matcher.feed(t) is not None for t in new_ids])  # every token fed
         # vLLM stops on token ids, not on token sequences: a turn that ends with one of its
-        # stop sequences (one token per step, DELTA) is ended here, at that step.
-        if seq.ends_with_stop_sequence():
+        # stop sequences or stop strings (one token per step, DELTA) is ended here, then.
+        if matched or seq.ends_with_stop_sequence():
             if not out.finished:
                 self._llm.abort_request([out.request_id])
             finish_reason = "stop"
@@ -420,13 +430,15 @@ def _to_vllm(params: SamplingParams) -> VllmSamplingParams:
         temperature=params.temperature,  # 0 = greedy; its log-probs are then log_softmax(logits)
         top_p=params.top_p,  # applied after top-k, to the top-k-renormalised distribution
         top_k=params.top_k,  # 0 disables top-k in both
+        min_p=params.min_p,  # after temperature, before top-k (V1's order, as ours)
+        repetition_penalty=params.repetition_penalty,  # on the logits, before all (and ours)
+        seed=params.seed,  # refused with recompute_kv_on_update (add_request, pitfall 6)
         max_tokens=params.max_new_tokens,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=True,  # only the request's stop_token_ids end it, as the protocol defines
         logprobs=0,  # the sampled token's log-prob only
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
-        # no per-request seed: with a cache-clearing pause it crashes the CPU engine (pitfall 6)
     )
 
 
