@@ -222,6 +222,7 @@ def test_a_training_run_serves_its_actors_engine(tmp_path, warm_cache) -> None:
         assert len(choice["versions"]) == len(choice["token_ids"])
         proc.wait(timeout=300)
         assert proc.returncode == 0, what_it_printed()
+        assert not where.exists()  # no URL naming a dead port once the actor stopped
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -292,6 +292,8 @@ class Actor:
             stats.update(self.rollouts.stats.snapshot(elapsed, self.engine.capacity))
         if self.endpoint is not None:
             stats["endpoint_aborted"] = self.endpoint.aborted
+        if self.episodes is not None:
+            stats.update(self.episodes.stats())
         return stats
 
     def maybe_heartbeat(self) -> None:

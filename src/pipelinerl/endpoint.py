@@ -86,6 +86,10 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True  # in the text that `stop` strings are looked for in
     n: int = Field(default=1, ge=1, le=1, description="one completion per request")
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
 
 # sampling_params accepted without effect: they shape the text, which this route does not
 # return (`logprobs`: the sampled token's always comes back), or the prompt, rendered already.
@@ -346,10 +350,9 @@ class GenerateEndpoint:
                          if getattr(p, k) != _Sampling.model_fields[k].default)
         if refused:
             return f"sampling_params {refused} cannot be honoured by this actor's engine"
-        strings = [p.stop] if isinstance(p.stop, str) else p.stop or []
-        if strings and self._detokenizer is None:
+        if p.stop_strings and self._detokenizer is None:
             return "stop strings need the model's fast tokenizer, which this endpoint lacks"
-        if "" in strings:
+        if "" in p.stop_strings:
             return "stop holds an empty string"
         return ""
 
@@ -360,7 +363,7 @@ class GenerateEndpoint:
         room = self.max_model_len - len(body.token_ids)
         # vLLM's: a request's stop tokens are added to the model's end tokens.
         stop_ids = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids or ())
-        strings = tuple([p.stop] if isinstance(p.stop, str) else p.stop or ())
+        strings = p.stop_strings
         return SamplingParams(
             max_new_tokens=min(p.max_tokens or self.default_max_tokens, room),
             temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k), min_p=p.min_p,

@@ -37,7 +37,7 @@ from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.sync.base import CastWeights, WeightSender
-from pipelinerl.types import HEARTBEAT_S, Group, Sample
+from pipelinerl.types import HEARTBEAT_S, Group, Sample, attempt_index
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,9 @@ def _oldest_version(group: Group) -> int:
 
 
 def _validate(group: Group, group_size: int) -> None:
-    if len(group.samples) != group_size:
-        raise ValueError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
+    attempts = len(set(attempt_index(group.samples)))  # an episode's branches: one attempt
+    if attempts != group_size:
+        raise ValueError(f"group {group.group_id} has {attempts} attempts, expected {group_size}")
     for s in group.samples:
         if not (len(s.token_ids) == len(s.logprobs) == len(s.versions)) or not s.token_ids:
             raise ValueError(f"group {group.group_id}: token, log-prob and version lists differ in length")

@@ -8,7 +8,7 @@ weights and ESS are exact per token.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from pipelinerl.engine.sampling import StopStrings
@@ -97,12 +97,24 @@ class Sample:
     # None: every token is the model's.
     model_mask: list[bool] | None = None
     turns: int = 1  # model turns
+    # The attempt of its group it belongs to: an environment's episode that branched
+    # (verifiers) trains as one sample per branch, all with the episode's index and reward.
+    # None: the sample is an attempt of its own.
+    episode: int | None = None
 
     def model_versions(self) -> list[int]:
         """The versions of the tokens the model sampled."""
         if self.model_mask is None:
             return self.versions
         return [v for v, m in zip(self.versions, self.model_mask) if m]
+
+
+def attempt_index(samples: Sequence[Sample]) -> list[int]:
+    """Per sample, the position of its attempt among its group's attempts (the samples of
+    one episode share it)."""
+    seen: dict[tuple[str, int], int] = {}
+    return [seen.setdefault(("sample", i) if s.episode is None else ("episode", s.episode),
+                            len(seen)) for i, s in enumerate(samples)]
 
 
 @dataclass

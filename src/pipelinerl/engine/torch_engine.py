@@ -68,9 +68,10 @@ def sample_tokens(
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
     if truncate:
+        if isinstance(min_p, torch.Tensor):
+            min_p = torch.where(greedy, 0.0, min_p)
         threshold = truncation_threshold(
-            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p),
-            torch.where(greedy, 0.0, torch.as_tensor(min_p, device=scaled.device)),
+            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p), min_p
         )
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     logprobs = scaled.log_softmax(dim=-1)
@@ -134,7 +135,6 @@ class TorchEngine:
         self._temperature = torch.ones(capacity, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(capacity, dtype=torch.long, device=dev)
         self._top_p = torch.ones(capacity, dtype=torch.float32, device=dev)
-        self._min_p = torch.zeros(capacity, dtype=torch.float32, device=dev)
         self._penalty = torch.ones(capacity, dtype=torch.float32, device=dev)  # repetition
         self._stop_ids = torch.full((capacity, 1), -1, dtype=torch.long, device=dev)  # -1 pads
         # Stop sequences, right-aligned, -1 on the left matches anything: (capacity, S, W).
@@ -145,6 +145,7 @@ class TorchEngine:
         self._max_new = torch.zeros(capacity, dtype=torch.long)
         self._truncates = torch.zeros(capacity, dtype=torch.bool)  # uses top-k, top-p or min-p
         self._penalised = torch.zeros(capacity, dtype=torch.bool)  # repetition penalty != 1
+        self._min_p = torch.zeros(capacity, dtype=torch.float32)  # on the device when used
         # A request's own sampler (its seed) and its stop strings' matcher, per slot.
         self._generators: list[torch.Generator | None] = [None] * capacity
         self._matchers: list[StopMatcher | None] = [None] * capacity
@@ -469,6 +470,7 @@ class TorchEngine:
         if self._penalised[start:end].any():
             logits = apply_repetition_penalty(logits, self._tokens[start:end],
                                               self._len[start:end], self._penalty[start:end])
+        min_p = self._min_p[start:end]
         tokens, logprobs = sample_tokens(
             logits,
             self._temperature[start:end],
@@ -476,8 +478,9 @@ class TorchEngine:
             self._top_p[start:end],
             self._generator,
             bool(self._truncates[start:end].any()),
-            self._min_p[start:end],
-            [(s - start, g) for s, g in enumerate(self._generators[start:end], start) if g],
+            min_p.to(self.device) if bool(min_p.any()) else 0.0,  # 0.0: no sync to find out
+            [(i, g) for i, g in enumerate(self._generators[start:end]) if g is not None]
+            if any(self._generators[start:end]) else (),
         )
         rows = torch.arange(start, end, device=self.device)
         cols = self._len[start:end].to(self.device)
