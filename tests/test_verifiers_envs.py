@@ -6,6 +6,8 @@ versions are the engine's own. The model is tiny and random (a chat template, no
 from __future__ import annotations
 
 import json
+import random
+import string
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import torch
 from test_actor import make_actor, stop_after
 from test_endpoint import _Driver
-from test_prompts import instruct_tokenizer
+from test_prompts import SPECIAL, TEMPLATE, instruct_tokenizer
 
 from pipelinerl.actor import Schedule
 from pipelinerl.endpoint import GenerateEndpoint
@@ -25,7 +27,7 @@ from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
 from pipelinerl.models.hf import load_tokenizer
 from pipelinerl.tasks import make_task
-from pipelinerl.types import ENV_VERSION, GenerationOutput, SamplingParams
+from pipelinerl.types import ENV_VERSION, GenerationOutput, Group, Sample, SamplingParams
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MAX_LEN = 512
@@ -51,6 +53,40 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         weights["lm_head.weight"][tokenizer.convert_tokens_to_ids(token)] = 0.0
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+PARAGRAPH = "\n\n"
+
+
+@pytest.fixture(scope="module")
+def paragraph_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chat model's tokenizer with one more token, "\n\n", that encoding never makes (it
+    splits every character): a sampled "\n\n" comes back as "\n", "\n" when verifiers' generic
+    renderer rebuilds the turn from its text, as SmolLM2's does with its 1116 -> 198, 198. The
+    model samples it about where it would a space."""
+    from tiny_models import tiny_hf_model
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipelinerl.models.hf import save_model
+
+    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
+    vocab = {t: i for i, t in enumerate([*SPECIAL, *chars, PARAGRAPH])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = TEMPLATE
+    model = tiny_hf_model("llama", vocab_size=len(vocab), max_position_embeddings=1024,
+                          eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        for token in ("<|endoftext|>", "<|im_start|>"):  # no other special token: see above
+            head[vocab[token]] = 0.0
+        head[vocab[PARAGRAPH]] = 1.3 * head[vocab[" "]]
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("paragraph") / "model")
 
 
 @pytest.fixture
@@ -190,6 +226,101 @@ def test_an_actor_publishes_whole_groups_of_episodes_under_admission(
         assert g["prompt"] in {t.data.prompt for t in task.tasks}
 
 
+def _trained_turns(s: Sample) -> list[tuple[list[int], list[float], list[int]]]:
+    """The runs of a sample's trained tokens (each a model turn), with log-probs and versions."""
+    mask = s.model_mask or [True] * len(s.token_ids)
+    turns, run = [], []
+    for tok, lp, v, m in [*zip(s.token_ids, s.logprobs, s.versions, mask), (0, 0.0, 0, False)]:
+        if m:
+            run.append((tok, lp, v))
+        elif run:
+            turns.append(tuple(list(x) for x in zip(*run)))
+            run = []
+    return turns
+
+
+def test_an_episode_that_branches_trains_as_one_sample_per_branch(
+        paragraph_model: Path, in_examples: None, tmp_path: Path) -> None:
+    """The issue's two-turn case: a sampled "\n\n" re-rendered as "\n", "\n" in the second
+    turn's prompt branches the trace. Before, the group was dropped (vf_branches): here the
+    branched episode gives a sample per branch, every model turn trained once with the
+    engine's log-probs and versions, and the trainer takes the group as 4 attempts."""
+    from pipelinerl.config import load_config
+    from pipelinerl.models.hf import load_model
+    from pipelinerl.rl.advantages import groups_advantages
+    from pipelinerl.rl.step import rl_step
+    from pipelinerl.streams import open_reader, open_writer
+    from pipelinerl.trainer import BatchSource
+
+    task = make_task("verifiers:vf_guess", {"games": 8, "env": {"player": {"max_turns": 2}}})
+    served = Served(paragraph_model)
+    runner = served.runner(task, max_new_tokens=6, temperature=1.0)
+    try:
+        runner.start("g", task.problem(1), 4)
+        finished = _finish(runner)
+    finally:
+        runner.close()
+        served.close()
+    assert finished.reason == "", finished
+    samples = finished.samples
+    by_episode = {e: [s for s in samples if s.episode == e] for e in range(4)}
+    assert sum(map(len, by_episode.values())) == len(samples)
+    branched = [ss for ss in by_episode.values() if len(ss) > 1]
+    assert branched and runner.stats() == {"vf_branched_episodes": len(branched),
+                                           "vf_branch_samples": sum(map(len, branched))}
+    # Every model turn (one engine output each) is trained once, in one sample, as sampled.
+    outputs = [(o.token_ids, o.logprobs, o.versions) for o in served.driver.outputs]
+    assert sorted(t for s in samples for t in _trained_turns(s)) == sorted(outputs)
+    paragraph = served.tokenizer.convert_tokens_to_ids(PARAGRAPH)
+    for first, second in (sorted(ss, key=lambda s: len(s.prompt_ids)) for ss in branched):
+        assert (first.reward, first.finish_reason) == (second.reward, second.finish_reason)
+        assert paragraph in first.token_ids and first.turns == second.turns == 1
+        # The second branch feeds the first turn as the renderer rebuilt it: same text,
+        # other tokens, never trained.
+        rebuilt = served.tokenizer.decode(second.prompt_ids)
+        assert served.tokenizer.decode(first.token_ids) in rebuilt
+        assert paragraph not in second.prompt_ids
+    # The trainer takes the group as group_size attempts and trains every branch.
+    with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
+        w.write(Group("g", "p", samples).to_dict())
+    source = BatchSource(open_reader("local", stream="rollouts", root=tmp_path),
+                         group_size=4, max_lag=2, timeout_s=5.0)
+    (group,) = source.take(1, step=0)
+    assert source.dropped == {} and len(group.samples) == len(samples)
+    advantages = groups_advantages([group])
+    for ss in by_episode.values():
+        idx = [samples.index(s) for s in ss]
+        assert len({float(advantages[i]) for i in idx}) == 1
+    cfg = load_config(None, [f"model.path={paragraph_model}", "actor.group_size=4",
+                             "trainer.batch_size=4", "engine.temperature=1.0"])
+    model = load_model(paragraph_model)
+    metrics = rl_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [group], cfg,
+                      trainer_version=0)
+    assert sum(metrics["lag_hist"].values()) == sum(len(o[0]) for o in outputs)
+
+
+def test_the_baseline_counts_a_branched_episode_once_and_gives_its_branches_its_advantage(
+        ) -> None:
+    from pipelinerl.rl.advantages import groups_advantages
+
+    def sample(reward: float, episode: int) -> Sample:
+        return Sample([1], [2], [-0.5], [0], reward, reward > 0, "stop", episode=episode)
+
+    # Episode 0 (reward 1) branched into two samples; episodes 1 and 2 got 0. The baseline is
+    # the mean over 3 episodes (1/3), not over 4 samples (1/2).
+    group = Group("g", "p", [sample(1.0, 0), sample(0.0, 1), sample(1.0, 0), sample(0.0, 2)])
+    assert groups_advantages([group]).tolist() == pytest.approx([2 / 3, -1 / 3, 2 / 3, -1 / 3])
+    loo = groups_advantages([group], baseline="loo")
+    assert loo.tolist() == pytest.approx([1.0, -0.5, 1.0, -0.5])
+    # vcpo: the episode's importance weight is its branches' product (log weights summed):
+    # log w = (0.3 + 0.4, 0.0, 0.0) -> baseline = sum w^2 r / sum w^2.
+    log_w = torch.tensor([0.3, 0.0, 0.4, 0.0], dtype=torch.float64)
+    w2 = torch.tensor([1.4, 0.0, 0.0]).exp()
+    baseline = float(w2[0] / w2.sum())
+    vcpo = groups_advantages([group], baseline="vcpo", log_weights=log_w)
+    assert vcpo.tolist() == pytest.approx([1 - baseline, -baseline, 1 - baseline, -baseline])
+
+
 @pytest.mark.parametrize("env,params,reason", [
     ("vf_raising", {}, "vf_error"),
     ("vf_hanging", {"episode_timeout_s": 1}, "vf_timeout"),
@@ -207,6 +338,30 @@ def test_a_failing_environment_drops_its_group_counted(
     # One place may ever be used (max_lag 0, one group a step): a second group could start
     # only because the first, dropped, gave its place back.
     assert actor.stats.skipped[reason] >= 2
+
+
+@pytest.mark.parametrize("env,params,reason", [
+    # past the group's deadline (set below), the endpoint holding the first turn's answer
+    ("vf_stalling", {"episode_timeout_s": 60}, "vf_timeout"),
+    # retried once (the first attempt's trace is no episode's any more), then dropped
+    ("vf_host_raising", {"env": {"retries": {"max_retries": 1}}}, "vf_error"),
+])
+def test_a_dropped_group_leaves_no_answer_kept_in_the_endpoint(
+        served: Served, env: str, params: dict, reason: str) -> None:
+    task = make_task(f"verifiers:{env}", params)
+    runner = served.runner(task)
+    runner.group_timeout_s = 3.0
+    try:
+        runner.start("g", task.problem(0), 2)
+        finished = _finish(runner)
+    finally:
+        runner.close()
+    assert finished.samples is None and finished.reason == reason
+    answered = {"vf_stalling": 2, "vf_host_raising": 4}[env]  # a turn per episode's attempt
+    assert len(served.driver.outputs) == answered
+    # Before, only the trained-on traces' answers were taken: a group past its deadline kept
+    # all of its answers, a retried one its first attempts', until 4096 sessions evicted them.
+    assert served.endpoint._sessions == {}
 
 
 @pytest.mark.parametrize("name,params,message", [
@@ -247,6 +402,41 @@ def test_held_out_evaluation_runs_episodes_on_one_version_and_counts_every_attem
     assert metrics["eval/greedy/verifier_failures"] == metrics["eval/sampled/verifier_failures"] == 0
     assert 0 <= metrics["eval/greedy"] <= 1 and 0 <= metrics["eval/sampled/pass@1"] <= 1
     assert metrics["eval/greedy/completion_len"] > 0
+
+
+def test_the_envs_own_evaluation_split_is_the_held_out_set(
+        chat_model: Path, in_examples: None, tmp_path: Path) -> None:
+    """Before, the held-out set could only be a hash of the training tasks' keys: an env's
+    test split (here the taskset read from another file) could not be evaluated on."""
+    from pipelinerl.config import load_config
+    from pipelinerl.evaluation import build_eval_setup
+    from pipelinerl.tasks import TrainSplit, heldout_problems, make_train_task
+
+    split = tmp_path / "test.jsonl"
+    rows = [{"question": f"What is {a} times 2?", "answer": str(2 * a)} for a in range(3)]
+    split.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    params = {"eval_taskset": {"path": str(split)}}
+    heldout = {f"What is {a} times 2? Answer with just the answer." for a in range(3)}
+    train = make_train_task("verifiers:vf_qa", params, heldout_frac=0.2)
+    assert not isinstance(train, TrainSplit) and train.train_size == 100
+    rng = random.Random(0)
+    drawn = {train.sample_problem(rng).prompt for _ in range(300)}
+    assert len(drawn) > 90 and drawn.isdisjoint(heldout)  # every training task, no held-out one
+    assert {p.prompt for p in heldout_problems(train, 10, 0, 0.2)} == heldout
+    cfg = load_config(None, [
+        f"model.path={chat_model}", "task.name=verifiers:vf_qa", "task.heldout_frac=0.2",
+        f"task.params.eval_taskset.path={split}", "eval.num_problems=8", "eval.samples=1",
+        "engine.max_seq_len=512", "engine.max_new_tokens=8", "engine.capacity=4",
+        "actor.group_size=2", "trainer.batch_size=4"])
+    setup, engine = build_eval_setup(cfg, str(chat_model))
+    try:
+        assert {p.prompt for p in setup.problems} == heldout
+        metrics = setup.run(engine)  # the split's tasks run as episodes of the env
+    finally:
+        setup.close()
+    assert metrics["eval/num_problems"] == 3 and metrics["eval/greedy/verifier_failures"] == 0
+    with pytest.raises(ValueError, match="bad config: taskset.nope"):
+        make_task("verifiers:vf_qa", {"eval_taskset": {"nope": 1}})
 
 
 def _cli(tmp_path: Path, config: str, *overrides: str, timeout: float = 900

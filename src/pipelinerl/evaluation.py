@@ -36,7 +36,8 @@ from pipelinerl.metrics.logger import METRICS
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.base import Problem, Task
 from pipelinerl.tasks.environment import is_environment
-from pipelinerl.types import GenerationOutput, GenerationRequest, Sample, SamplingParams
+from pipelinerl.types import (GenerationOutput, GenerationRequest, Sample, SamplingParams,
+                             attempt_index)
 
 if TYPE_CHECKING:  # aiohttp and verifiers are imported only when a task needs them
     from pipelinerl.endpoint import GenerateEndpoint
@@ -192,7 +193,9 @@ def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: Episod
                 tallies[m].failures += modes[m].attempts
                 continue
             tallies[m].count(finished.samples)
-            tallies[m].solved[i] = sum(s.success for s in finished.samples)
+            # an episode's branches (several samples) are one attempt
+            attempts = dict(zip(attempt_index(finished.samples), finished.samples))
+            tallies[m].solved[i] = sum(s.success for s in attempts.values())
         between_steps()
     return _metrics(modes, tallies, len(problems), t0)
 

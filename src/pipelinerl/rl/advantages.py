@@ -10,7 +10,7 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from pipelinerl.types import Group, Sample
+from pipelinerl.types import Group, Sample, attempt_index
 
 Baseline = Literal["mean", "loo", "vcpo"]
 Truncated = Literal["keep", "mask", "penalty"]
@@ -108,17 +108,25 @@ def groups_advantages(
 
     A sample left out by truncated=mask gets A = 0 and its group's baseline (and std) is
     computed over the group's other samples. `log_weights`: one per sample in the same order
-    (baseline vcpo; a left-out sample's is ignored).
+    (baseline vcpo; a left-out sample's is ignored). An episode trained as several samples
+    (its branches, `Sample.episode`) is one attempt: the baseline counts it once, its
+    importance weight is the product of its samples', and each of them gets its advantage.
     """
     parts = []
     start = 0
     for g in groups:
-        rewards, trained = rewards_and_trained(g.samples, truncated, truncated_reward)
+        index = attempt_index(g.samples)
+        firsts: dict[int, Sample] = {}  # an attempt's reward and truncation: its first sample's
+        for a, s in zip(index, g.samples):
+            firsts.setdefault(a, s)
+        attempt = torch.tensor(index, dtype=torch.long)
+        rewards, trained = rewards_and_trained(list(firsts.values()), truncated, truncated_reward)
         weights = None
         if log_weights is not None:
-            weights = log_weights[start:start + len(g.samples)][trained]
-        adv = torch.zeros(len(g.samples))
+            mine = log_weights[start:start + len(g.samples)]
+            weights = mine.new_zeros(len(firsts)).index_add_(0, attempt, mine)[trained]
+        adv = torch.zeros(len(firsts))
         adv[trained] = group_advantages(rewards[trained], baseline, std_normalize, eps, weights)
-        parts.append(adv)
+        parts.append(adv[attempt])
         start += len(g.samples)
     return torch.cat(parts) if parts else torch.zeros(0)

@@ -11,9 +11,22 @@ joining its continuous batching like the actor's own requests.
 
 A trace keeps each turn's tokens, mask and log-probs but not which policy version sampled them:
 the endpoint keeps every answer under the trace's id (TrainClient's `X-Session-ID`), and each
-sampled turn is matched to the next answer with the same tokens. A group is dropped, with its
-reason counted, when any of its episodes fails (an error, the deadline, no model token, a turn
-with no answer, more than one trainable trace or branch): the baseline needs every attempt.
+sampled turn is matched to the next answer with the same tokens. Every trace a group mints (a
+retried attempt's too) has its answers taken when the group ends, trained, dropped or timed
+out, so the endpoint keeps none of them.
+
+A trace branches when a later turn's prompt does not extend the earlier turns token for token:
+a renderer that rebuilds the conversation from its text re-tokenizes a sampled turn (SmolLM2's
+generic renderer turns a sampled "\n\n" into "\n", "\n"), or strips a special token the policy
+sampled. Each branch is what the model saw for its turns, so, as verifiers' trace model intends,
+an episode trains as one sample per branch: its fed tokens (prompt, host, a re-rendered turn)
+never trained, each sampled turn trained once, in the first branch holding it, with its own
+log-probs and versions. The episode's samples share its reward and its index in the group
+(`Sample.episode`), so the group's baseline counts each episode once (`rl.advantages`).
+
+A group is dropped, with its reason counted, when any of its episodes fails (an error, the
+deadline, no model token, a turn with no answer, more than one trainable trace): the baseline
+needs every attempt.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,12 +47,15 @@ from pipelinerl.types import ENV_VERSION, Sample, SamplingParams
 log = logging.getLogger(__name__)
 
 QUIET_LOGGERS = ("httpx", "verifiers", "aiohttp.access")
+# After a group ends, when its sessions' answers are taken a second time (see `_group`).
+RETAKE_S = 10.0
 
 
 @dataclass
 class FinishedGroup:
     group_id: str
-    samples: list[Sample] | None  # None: dropped
+    # None: dropped. An episode that branched gives several (`EpisodeRunner.samples`).
+    samples: list[Sample] | None
     reason: str = ""  # why it was dropped (a skip reason, `vf_...`)
 
 
@@ -76,6 +93,8 @@ class EpisodeRunner:
         self._stop = asyncio.Event()
         self._warned: set[str] = set()
         self._serving_env = False
+        self.branched_episodes = 0  # counted on the episode loop, read by the actor (`stats`)
+        self.branch_samples = 0
         self._serving = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
         self._ready.wait()
         if not self._serving_env:
@@ -137,37 +156,72 @@ class EpisodeRunner:
 
     async def _group(self, group_id: str, vf_task: Any, n: int, ctx: Any) -> None:
         env = self.task.env
-        gathered = asyncio.gather(*(env.run_slot(slot, ctx) for slot in env.slots(vf_task, n)))
+        sessions: list[str] = []  # every trace minted (a retried attempt's too): its answers
+
+        def minted(trace: Any) -> None:
+            sessions.append(trace.id)
+
+        gathered = asyncio.gather(*(env.run_slot(slot, ctx, on_trace=minted)
+                                    for slot in env.slots(vf_task, n)))
         # Cancelled (the runner closing, the group's deadline), a gather ends with the
         # CancelledError as its exception: read it, or asyncio logs it as never retrieved.
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+        dropped = None
         try:
             episodes = await asyncio.wait_for(gathered, self.group_timeout_s)
-            # Every trace's answers, trained or not, so that the endpoint keeps none.
-            answers = {t.id: self.take_answers(t.id) for e in episodes for t in e.traces}
-            finished = FinishedGroup(group_id,
-                                     [self.sample(e, group_id, answers) for e in episodes])
-        except EpisodeFailed as e:
-            finished = FinishedGroup(group_id, None, e.reason)
-            self._warn_once(e.reason, f"group {group_id} dropped ({e.reason}): {e}")
         except asyncio.TimeoutError:
-            finished = FinishedGroup(group_id, None, "vf_timeout")
-            self._warn_once("vf_timeout", f"group {group_id} dropped: its episodes ran past "
-                            f"{self.group_timeout_s:.0f} s")
+            dropped = self._dropped(group_id, "vf_timeout", f"its episodes ran past "
+                                    f"{self.group_timeout_s:.0f} s")
         except Exception as e:  # noqa: BLE001 - an env's own code may raise anything
-            finished = FinishedGroup(group_id, None, "vf_error")
-            self._warn_once("vf_error", f"group {group_id} dropped: {type(e).__name__}: {e}")
-        self._done.put(finished)
+            dropped = self._dropped(group_id, "vf_error", f"{type(e).__name__}: {e}")
+        # Every session's answers, the group trained or dropped: the endpoint keeps none. A
+        # model call cancelled as the engine finished it is answered just after: taken later.
+        answers = self._take(sessions)
+        self._loop.call_later(RETAKE_S, self._take, sessions)
+        self._done.put(dropped or self._trained(group_id, episodes, answers))
+
+    def _trained(self, group_id: str, episodes: list[Any], answers: dict[str, list[Answer]]
+                 ) -> FinishedGroup:
+        """The group's samples, or the group dropped if an episode cannot be trained on."""
+        try:
+            samples = [s for i, e in enumerate(episodes)
+                       for s in self.samples(e, group_id, answers, i)]
+        except EpisodeFailed as e:
+            return self._dropped(group_id, e.reason, str(e))
+        except Exception as e:  # noqa: BLE001 - an env's trace may hold anything
+            return self._dropped(group_id, "vf_error", f"{type(e).__name__}: {e}")
+        self._count_branches(samples)
+        return FinishedGroup(group_id, samples)
+
+    def _take(self, sessions: list[str]) -> dict[str, list[Answer]]:
+        return {session: self.take_answers(session) for session in sessions}
+
+    def _dropped(self, group_id: str, reason: str, why: str) -> FinishedGroup:
+        self._warn_once(reason, f"group {group_id} dropped ({reason}): {why}")
+        return FinishedGroup(group_id, None, reason)
+
+    def _count_branches(self, samples: list[Sample]) -> None:
+        per_episode = Counter(s.episode for s in samples)
+        branched = [k for k in per_episode.values() if k > 1]
+        self.branched_episodes += len(branched)
+        self.branch_samples += sum(branched)
+
+    def stats(self) -> dict[str, int]:
+        """Episodes that branched and trained as several samples, and those samples."""
+        return {"vf_branched_episodes": self.branched_episodes,
+                "vf_branch_samples": self.branch_samples}
 
     def _warn_once(self, reason: str, message: str) -> None:
         if reason not in self._warned:  # every one is counted (skipped_<reason>)
             self._warned.add(reason)
             log.warning("%s (further groups dropped for this reason are only counted)", message)
 
-    # -- a finished episode -> a sample ------------------------------------------------------
-    def sample(self, episode: Any, group_id: str, answers: dict[str, list[Answer]]) -> Sample:
-        """The sample of `episode`'s one trainable trace (`answers`: the endpoint's, by trace
-        id); EpisodeFailed if there is none."""
+    # -- a finished episode -> its samples ---------------------------------------------------
+    def samples(self, episode: Any, group_id: str, answers: dict[str, list[Answer]],
+                index: int) -> list[Sample]:
+        """The samples of `episode`'s one trainable trace, one per branch with a turn to
+        train, each marked as episode `index` of its group (`answers`: the endpoint's, by
+        trace id); EpisodeFailed if there is none."""
         if episode.is_timeout:
             raise EpisodeFailed("vf_timeout", _errors(episode.errors) or "past its deadline")
         if not episode.ok:
@@ -181,29 +235,59 @@ class EpisodeRunner:
             raise EpisodeFailed("vf_timeout", f"stopped by {trace.stop_condition}")
         if not trace.ok:
             raise EpisodeFailed("vf_error", _errors(trace.errors) or str(trace.stop_condition))
-        branches = [b for b in trace.branches if b.trainable]
-        if len(branches) != 1:
-            raise EpisodeFailed("vf_branches", f"{len(branches)} trainable branches (the "
-                                "renderer re-rendered an earlier turn differently)")
-        branch = branches[0]
-        token_ids, mask = list(branch.token_ids), list(branch.sampled_mask)
-        if not any(mask):
+        sampled_by = _answers_by_node(trace, answers[trace.id])
+        trained: set[int] = set()  # sampled nodes a branch already trains
+        samples = []
+        node_ids = {id(node): nid for nid, node in enumerate(trace.nodes)}
+        for branch in (b for b in trace.branches if b.trainable):
+            path = [(node_ids[id(node)], node) for node in branch.nodes]  # the trace's nodes
+            here = {nid for nid, node in path if nid in sampled_by and nid not in trained}
+            if here:
+                trained |= here
+                samples.append(self._branch_sample(trace, path, here, sampled_by, group_id,
+                                                   index))
+        if not samples:
             raise EpisodeFailed("vf_no_tokens", f"no model token ({trace.stop_condition})")
-        logprobs, versions = _provenance(branch.nodes, answers[trace.id])
+        return samples
+
+    def _branch_sample(self, trace: Any, path: list[tuple[int, Any]], train: set[int],
+                       sampled_by: dict[int, Answer], group_id: str, episode: int) -> Sample:
+        """One branch (`path`: its nodes with their ids) as a sample that trains the sampled
+        turns of `train` and feeds every other token."""
+        token_ids: list[int] = []
+        mask: list[bool] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for nid, node in path:
+            token_ids += node.token_ids
+            if nid not in train:
+                mask += [False] * len(node.token_ids)
+                logprobs += [0.0] * len(node.token_ids)
+                versions += [ENV_VERSION] * len(node.token_ids)
+                continue
+            answer, at = sampled_by[nid], 0
+            for m in node.mask:
+                mask.append(m)
+                logprobs.append(answer.logprobs[at] if m else 0.0)
+                versions.append(answer.versions[at] if m else ENV_VERSION)
+                at += m
         first = mask.index(True)
         completion_mask = mask[first:]
+        reward = float(trace.reward)
         return Sample(
             prompt_ids=token_ids[:first],
             token_ids=token_ids[first:],
             logprobs=logprobs[first:],
             versions=versions[first:],
-            reward=float(trace.reward),
-            success=self.task.success(float(trace.reward)),
+            reward=reward,
+            success=self.task.success(reward),
+            # the episode's, so that its samples count alike as truncated or not
             finish_reason="length" if trace.is_truncated else "stop",
             group_id=group_id,
             actor_id=self.actor_id,
             model_mask=None if all(completion_mask) else completion_mask,
-            turns=sum(1 for n in branch.nodes if n.sampled),
+            turns=len(train),
+            episode=episode,
         )
 
 
@@ -241,31 +325,23 @@ def _episode_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def _provenance(nodes: list[Any], answers: list[Answer]) -> tuple[list[float], list[int]]:
-    """Per token of the branch: the log-prob and version the engine sampled it with (0.0 and
-    ENV_VERSION where no policy sampled it). Each sampled node takes the next answer with its
-    tokens; one with none raises EpisodeFailed."""
-    logprobs: list[float] = []
-    versions: list[int] = []
+def _answers_by_node(trace: Any, answers: list[Answer]) -> dict[int, Answer]:
+    """The endpoint's answer of each sampled node of `trace` (the engine's log-probs and
+    versions): in the order the turns were committed, each takes the next answer with its
+    tokens (answers no node holds, a call refused after sampling, are passed over). A sampled
+    node with none raises EpisodeFailed."""
+    out: dict[int, Answer] = {}
     pending = iter(answers)
-    for node in nodes:
+    for nid, node in enumerate(trace.nodes):
         sampled = [t for t, m in zip(node.token_ids, node.mask) if m]
-        answer = None
-        if sampled:
-            answer = next((a for a in pending if a.token_ids == sampled), None)
-            if answer is None:
-                raise EpisodeFailed("vf_unmatched", f"a sampled turn of {len(sampled)} tokens "
-                                    "matches no answer of the endpoint: its versions are unknown")
-        at = 0
-        for m in node.mask:
-            if m:
-                logprobs.append(answer.logprobs[at])
-                versions.append(answer.versions[at])
-                at += 1
-            else:
-                logprobs.append(0.0)
-                versions.append(ENV_VERSION)
-    return logprobs, versions
+        if not sampled:
+            continue
+        answer = next((a for a in pending if a.token_ids == sampled), None)
+        if answer is None:
+            raise EpisodeFailed("vf_unmatched", f"a sampled turn of {len(sampled)} tokens "
+                                "matches no answer of the endpoint: its versions are unknown")
+        out[nid] = answer
+    return out
 
 
 def _errors(errors: list[Any]) -> str:

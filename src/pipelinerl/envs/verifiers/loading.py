@@ -4,9 +4,9 @@ refuse at start what cannot run here.
 `task.name: verifiers:<taskset id>` names the environment as verifiers does: the id of an
 installed (or importable: the working directory is searched) module whose `__all__` exports one
 `Taskset` subclass, and optionally an `Env` and its config. `task.params` are the taskset's
-config fields; two keys are pipelinerl's own: `env` (the env's config: `id` of a built-in env
-such as `best-of-n`, a role's overrides) and `success_threshold` (a reward at or above it
-counts as solved; default 1.0).
+config fields, but for pipelinerl's own keys (`task.RESERVED`): `env` (the env's config: `id`
+of a built-in env such as `best-of-n`, a role's overrides), `eval_taskset` (the taskset's
+params for its evaluation split), `success_threshold`, `episode_timeout_s`, `max_tasks`.
 
 Each role of the env (its `AgentConfig` fields) runs pipelinerl's in-process chat harness
 (`harness.py`) in a `subprocess` runtime (a work directory, no container), unless the user
@@ -21,9 +21,10 @@ that matters.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import sys
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
@@ -85,8 +86,29 @@ def load_env(taskset_id: str, taskset_params: dict[str, Any], env_params: dict[s
     """The env, built and checked; ValueError naming what was wrong."""
     vf = import_verifiers()
     raw = env_config(taskset_id, taskset_params, env_params, rollout_timeout_s)
+    env = _built(taskset_id, lambda: vf.load_environment(vf.resolve_env_config(raw)))
+    reasons = refusals(env)
+    if reasons:
+        raise EnvRefused(f"verifiers environment {taskset_id!r} cannot run here: "
+                         + "; ".join(reasons))
+    return env
+
+
+def load_taskset(taskset_id: str, taskset_params: dict[str, Any], env_params: dict[str, Any],
+                 rollout_timeout_s: float) -> Any:
+    """The env's taskset under other params (its evaluation split), built; its tasks' data
+    is the caller's to check (`data_refusals`)."""
+    vf = import_verifiers()
+    from verifiers.v1.utils.loaders import load_taskset as build
+
+    raw = env_config(taskset_id, taskset_params, env_params, rollout_timeout_s)
+    return _built(taskset_id, lambda: build(vf.resolve_env_config(raw).taskset))
+
+
+def _built(taskset_id: str, build: Callable[[], Any]) -> Any:
+    """What `build` builds of the env; ValueError naming what was wrong."""
     try:
-        env = vf.load_environment(vf.resolve_env_config(raw))
+        return build()
     except ValidationError as e:
         where = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ValueError(f"verifiers environment {taskset_id!r}: bad config: {where}") from e
@@ -94,11 +116,6 @@ def load_env(taskset_id: str, taskset_params: dict[str, Any], env_params: dict[s
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"verifiers environment {taskset_id!r}: {type(e).__name__}: {first}"
                          ) from e
-    reasons = refusals(env)
-    if reasons:
-        raise EnvRefused(f"verifiers environment {taskset_id!r} cannot run here: "
-                         + "; ".join(reasons))
-    return env
 
 
 def refusals(env: Any) -> list[str]:
@@ -133,19 +150,21 @@ def refusals(env: Any) -> list[str]:
     for hook in ("setup", "finalize", "stage_verifier", "validate"):
         if getattr(task_cls, hook) is not getattr(vf.Task, hook):
             out.append(f"{task_cls.__name__}.{hook} runs commands in a runtime")
-    for i, task in enumerate(taskset):
-        if i == 0:
-            for kind in ("reward", "metric", "stop"):
-                for fn in task.hooks(kind):
-                    needs = inspect.signature(fn).parameters.get("runtime")
-                    if needs is not None and needs.default is inspect.Parameter.empty:
-                        out.append(f"{kind} {fn.__name__!r} runs commands in a runtime")
+    tasks = list(itertools.islice(taskset, TASK_SAMPLE))
+    for kind in ("reward", "metric", "stop"):
+        for fn in tasks[0].hooks(kind) if tasks else ():
+            needs = inspect.signature(fn).parameters.get("runtime")
+            if needs is not None and needs.default is inspect.Parameter.empty:
+                out.append(f"{kind} {fn.__name__!r} runs commands in a runtime")
+    return out + data_refusals(tasks)
+
+
+def data_refusals(tasks: Iterable[Any]) -> list[str]:
+    """Why the data of `tasks` cannot run here (the first task found that cannot)."""
+    for task in tasks:
         d = task.data
         if (d.image or d.network_allow != ["*"] or d.network_block or d.skills or d.artifacts
                 or d.resources.gpu or d.agent_user):
-            out.append(f"task {d.idx} asks for an image, a network policy, skills, artifacts, "
-                       "a GPU or a user")
-            break
-        if i + 1 == TASK_SAMPLE:
-            break
-    return out
+            return [f"task {d.idx} asks for an image, a network policy, skills, artifacts, "
+                    "a GPU or a user"]
+    return []
