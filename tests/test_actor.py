@@ -25,11 +25,14 @@ from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 
 class ListWriter:
+    """The groups an actor writes in `records`, its heartbeats apart."""
+
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.heartbeats: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        (self.heartbeats if record.get("heartbeat") else self.records).append(record)
 
     def close(self) -> None:
         pass
@@ -192,6 +195,8 @@ def test_long_prompt_is_skipped_counted_and_takes_no_quota(tmp_path, caplog):
     assert len(groups) == 2 and {g["prompt"] for g in groups} <= {"1+1", "2+2"}
     assert actor.stats.skipped["prompt_too_long"] >= 1
     assert actor.stats.skipped_ids["prompt_too_long"] == {"math:2"}
+    # Its orderly stop tells the audit (pipelinerl audit) the groups it dropped.
+    assert actor.writer.heartbeats[-1]["skipped"] == dict(actor.stats.skipped)
     warnings = [r.getMessage() for r in caplog.records if "too long" in r.getMessage()]
     assert len(warnings) == 1  # once, however many times such prompts are drawn
     assert all(s in warnings[0] for s in ("math:2", "100 tokens", "at most 32",

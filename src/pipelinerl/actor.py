@@ -274,6 +274,7 @@ class Actor:
                 self.stats.count_step(self.engine.num_running() + len(outs), time.monotonic() - t0)
                 for out in outs:
                     self.on_finished(out)
+            self.heartbeat()  # an orderly stop: the audit reads this process's final counts
         finally:
             if self.scorer is not None:
                 self.scorer.close()
@@ -299,10 +300,12 @@ class Actor:
     def maybe_heartbeat(self) -> None:
         """When nothing was published for HEARTBEAT_S, say why on the rollout stream, so a
         trainer waiting for groups tells a blocked actor from a dead one."""
-        now = time.monotonic()
-        if now - self._last_write < HEARTBEAT_S:
-            return
-        self._last_write = now
+        if time.monotonic() - self._last_write >= HEARTBEAT_S:
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """What this actor is doing, and the groups it dropped so far (for the audit)."""
+        self._last_write = time.monotonic()
         self.writer.write({"heartbeat": True, "actor_id": self.actor_id, "attempt": self.attempt,
                            "version": self.engine.version, "in_flight": self.in_flight,
                            "claimed": self.claimed(), "limit": self.schedule.limit(self.engine.version),
@@ -310,7 +313,8 @@ class Actor:
                            # Episodes between two model calls hold no engine request.
                            "blocked": self.in_flight == 0 and not self._episodes_running(),
                            "seq": self.published,
-                           "generation": self._generation, "data_pos": self.data_pos()})
+                           "generation": self._generation, "data_pos": self.data_pos(),
+                           "skipped": dict(self.stats.skipped)})
 
     def data_pos(self) -> int | None:
         """Where a successor's draws resume: the position of the oldest problem still in
