@@ -1,5 +1,7 @@
 """Packed and padded trainer inputs give the same log-probs as one sequence at a time."""
 
+import dataclasses
+import itertools
 import math
 
 import pytest
@@ -110,7 +112,12 @@ def test_pack_layout() -> None:
             assert (b.advantages[sel] == adv[i]).all()
             # the position before each trained token holds the previous token of the sequence
             prev = (s.prompt_ids + s.token_ids)[len(s.prompt_ids) - 1 : -1]
-            assert b.input_ids[b.token_rows[sel], b.token_cols[sel]].tolist() == prev
+            width = b.logit_cols.numel()
+            rows, cols = b.logit_index[sel] // width, b.logit_cols[b.logit_index[sel] % width]
+            assert b.input_ids[rows, cols].tolist() == prev
+        # the sequences' lengths, as the attention reads them, tile the row
+        assert b.sequence_lengths == [[lengths[i] for i in seqs]]
+        assert b.cu_seqlens.tolist() == [0, *itertools.accumulate(lengths[i] for i in seqs)]
     # the 30-token sequence exceeds the row limit and sits alone
     assert [b.num_sequences for b in batches if b.input_ids.shape[1] > ROW] == [1]
 
@@ -235,24 +242,29 @@ def test_per_sequence_attention_refuses_a_sequence_beyond_the_sliding_window() -
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_per_sequence_segments_are_found_once_per_forward(arch: str, monkeypatch) -> None:
-    """The segments cost one host copy per forward however deep the model, not one per layer
-    (review issue 25, F8: a view made per layer missed the cache every time)."""
+def test_per_sequence_segments_cost_no_host_copy_from_the_packer_and_one_without(
+        arch: str, monkeypatch) -> None:
+    """The packer gives the sequences' lengths: no read of position_ids back from the device
+    (a GPU sync per forward). Without them (a caller that did not pack), one per forward however
+    deep the model, not one per layer (review issue 25, F8)."""
     copies = []
     real_cpu = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu",
                         lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
 
-    def host_copies(layers: int) -> int:
+    def host_copies(layers: int, packer_lengths: bool) -> int:
         model = tiny_hf_model(arch, num_hidden_layers=layers)
         use_per_sequence_attention(model)
         batch = pack(make_samples_for(VOCAB_HF), [0.0] * len(SHAPES), 40)[0]  # new positions
+        if not packer_lengths:
+            batch = dataclasses.replace(batch, sequence_lengths=None, cu_seqlens=None)
         copies.clear()
         with torch.no_grad():
             token_logprobs(model, batch)
         return len(copies)
 
-    assert host_copies(4) == host_copies(1) > 0
+    assert host_copies(4, True) == host_copies(1, True) == 0
+    assert host_copies(4, False) == host_copies(1, False) == 1
 
 
 def test_per_sequence_segments_follow_an_in_place_write() -> None:

@@ -71,3 +71,13 @@ def reference_truncation(x: torch.Tensor, targets: torch.Tensor,
         x = x.masked_fill(dropped, float("-inf"))
         assert dropped.any()
     return x, dropped
+
+
+def smollm2_layout(num_hidden_layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model of SmolLM2-135M's layout: Llama, tied embeddings, grouped-query
+    attention with 3 query heads per key/value head (9:3 there), SiLU MLP, RMSNorm."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=96, num_hidden_layers=num_hidden_layers, num_attention_heads=3,
+        num_key_value_heads=1, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+        max_position_embeddings=512))

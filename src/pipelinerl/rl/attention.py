@@ -3,14 +3,23 @@
 A packed row holds several sequences, position_ids restarting at 0 for each
 (`pipelinerl.rl.packing`). transformers' sdpa path attends over the whole row under a
 block-diagonal mask: the work grows with the square of the row's length, although each token
-sees only its own sequence. This attention function runs one causal SDPA per sequence instead
-(its segment of the row), so the work grows with the squares of the sequences' lengths. It is
-registered with transformers' `AttentionInterface` under `per_sequence`; its mask function
-builds no mask for packed rows (the segments are the mask), and anything else (a padding mask,
-one query at a time, a cache) goes to transformers' own sdpa function unchanged.
+sees only its own sequence. This attention function attends within each sequence instead, so
+the work grows with the squares of the sequences' lengths:
+- on CUDA, where torch has it, one variable-length flash attention call per layer
+  (`torch.nn.attention.varlen.varlen_attn`) over the batch's `cu_seqlens`;
+- elsewhere, one causal SDPA per sequence over its segment of the row (split in one op).
+The packer gives the sequences' lengths (`sequence_kwargs`), so neither path reads
+position_ids back from the device; without them (a caller that did not pack) the segments are
+found from position_ids once per forward. It is registered with transformers'
+`AttentionInterface` under `per_sequence`; its mask function builds no mask for packed rows
+(the segments are the mask), and anything else (a padding mask, one query at a time, a cache)
+goes to transformers' own sdpa function unchanged.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +29,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from pipelinerl.config import TrainerConfig
 
+if TYPE_CHECKING:
+    from pipelinerl.rl.packing import PackedBatch
+
 NAME = "per_sequence"
+
+try:  # CUDA only (flash attention); absent from older torch
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 # The segments of the last position_ids seen and that tensor's version (an in-place write makes
 # them stale): every layer of one forward gets the model's same tensor, so they are found once
@@ -47,6 +64,15 @@ def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     return rows
 
 
+def sequence_kwargs(batch: PackedBatch) -> dict[str, Any]:
+    """What the model's forward passes on to this attention: the packed sequences' lengths
+    (host ints), their cu_seqlens (on the batch's device) and the longest; {} for padded rows."""
+    if batch.sequence_lengths is None:
+        return {}
+    return {"sequence_lengths": batch.sequence_lengths, "cu_seqlens": batch.cu_seqlens,
+            "max_seqlen": max(n for row in batch.sequence_lengths for n in row)}
+
+
 def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                            attention_mask: Tensor | None, dropout: float = 0.0,
                            scaling: float | None = None, position_ids: Tensor | None = None,
@@ -57,23 +83,49 @@ def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value:
             or key.shape[2] != query.shape[2]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, position_ids=position_ids, **kwargs)
-    gqa = key.shape[1] != query.shape[1]
-    rows = []
-    per_row = _segments(position_ids)
-    if len(per_row) == 1:  # one row of positions for every row of the batch
-        per_row = per_row * query.shape[0]
+    lengths = kwargs.get("sequence_lengths")
     window = kwargs.get("sliding_window")
-    if window is not None and max(e - s for segments in per_row for s, e in segments) > window:
+    if lengths is not None:
+        longest = kwargs["max_seqlen"]
+    else:
+        lengths = [[e - s for s, e in segments] for segments in _segments(position_ids)]
+        if len(lengths) == 1:  # one row of positions for every row of the batch
+            lengths = lengths * query.shape[0]
+        longest = max(n for row in lengths for n in row)
+    if window is not None and longest > window:
         raise ValueError(f"trainer.packed_attention=per_sequence: a sequence is longer than this "
                          f"model's sliding window ({window} tokens), which it does not apply; "
                          "use trainer.packed_attention=masked_row")
-    for b, segments in enumerate(per_row):
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if query.is_cuda and varlen_attn is not None and cu_seqlens is not None and dropout == 0:
+        return _varlen(query, key, value, cu_seqlens, longest, scaling), None
+    gqa = key.shape[1] != query.shape[1]
+    rows = []
+    for b, row in enumerate(lengths):
+        qs, ks, vs = (t[b:b + 1].split(row, dim=2) for t in (query, key, value))
         rows.append(torch.cat([
             torch.nn.functional.scaled_dot_product_attention(
-                query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
-                dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
-            for s, e in segments], dim=2))
+                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+            for q, k, v in zip(qs, ks, vs)], dim=2))
     return torch.cat(rows).transpose(1, 2).contiguous(), None
+
+
+def _varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longest: int,
+            scaling: float | None) -> Tensor:
+    """One causal flash-attention call over every sequence of every row: (B, L, H, D)."""
+    batch, heads, length, dim = query.shape
+    if key.shape[1] != heads:  # grouped-query: each key/value head serves heads / H_kv
+        key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
+    flat = [t.transpose(1, 2).reshape(batch * length, heads, dim) for t in (query, key, value)]
+    out = varlen_attn(*flat, cu_seqlens, cu_seqlens, longest, longest, scale=scaling,
+                      **_CAUSAL)
+    return out.reshape(batch, length, heads, dim)
+
+
+# varlen_attn's causal flag: `is_causal` in torch 2.9-2.10, a (left, right) window since.
+_CAUSAL: dict[str, Any] = {} if varlen_attn is None else (
+    {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
+    else {"window_size": (-1, 0)})
 
 
 def _mask(attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:

@@ -137,6 +137,13 @@ def ppo_clip_active(eps: float, eps_high: float | None = None) -> ClipActive:
     return lambda rho, adv: ((rho > 1 + high) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
 
 
+# The sums LossStats keeps over an optimizer step, in the order of its `sums` vector.
+SUMS = ("tokens", "sum_rho", "sum_rho_sq", "clipped", "sum_abs_diff", "sum_k1", "sum_k3",
+        "lag0_tokens", "lag0_sum_abs_diff", "lag0_sum_k3", "sum_lag", "entropy_tokens",
+        "sum_entropy")
+_MASKED = torch.iinfo(torch.long).min  # the lag recorded for a masked token (never counted)
+
+
 @dataclass
 class LossStats:
     """Sums over one optimizer step; `add()` each micro-batch, then `finalize()`.
@@ -145,30 +152,25 @@ class LossStats:
     A token's lag is trainer_version - the version that generated it; lag-0 tokens were
     sampled by the very weights the trainer holds, so their log-prob difference is numerical
     engine-vs-trainer mismatch (kernels, dtype, sampling truncation), not policy change.
-    Every field is a sum over tokens (so ranks add up), except `lag_counts`, a histogram.
+    Every sum stays on the micro-batches' device until `finalize` reads them together: a GPU
+    step waits for none of them (no `.item()` or boolean indexing per micro-batch).
     """
 
-    tokens: int = 0
-    sum_rho: float = 0.0
-    sum_rho_sq: float = 0.0
-    clipped: int = 0
-    sum_abs_diff: float = 0.0
-    sum_k1: float = 0.0
-    sum_k3: float = 0.0
-    lag0_tokens: int = 0
-    lag0_sum_abs_diff: float = 0.0
-    lag0_sum_k3: float = 0.0
-    sum_lag: int = 0
-    entropy_tokens: int = 0
-    sum_entropy: float = 0.0
-    lag_counts: dict[int, int] = field(default_factory=dict)  # lag -> trained tokens
+    sums: Tensor | None = None  # float64 (len(SUMS),)
     # (bin, field) sums by the completion length of the token's sequence (_BIN_FIELDS)
-    by_length: Tensor = field(
-        default_factory=lambda: torch.zeros(len(LENGTH_LABELS), _BIN_FIELDS, dtype=torch.float64))
+    by_length: Tensor | None = None
+    lags: list[Tensor] = field(default_factory=list)  # per micro-batch, each token's lag
+
+    def _on(self, device: torch.device) -> None:
+        if self.sums is None:
+            self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+            self.by_length = torch.zeros(len(LENGTH_LABELS), _BIN_FIELDS, dtype=torch.float64,
+                                         device=device)
 
     def count_sequences(self, bins: Tensor) -> None:
         """Add sequences of the given length bins (`length_bins`)."""
-        self.by_length[:, 0] += torch.bincount(bins.cpu(), minlength=len(LENGTH_LABELS))
+        self._on(bins.device)
+        self.by_length[:, 0] += torch.bincount(bins, minlength=len(LENGTH_LABELS))
 
     @torch.no_grad()
     def add(
@@ -194,19 +196,14 @@ class LossStats:
         alone, not a KV cache kept across an update (None: every lag-0 token counts).
         clip_active: the loss's rule for a token whose clipped term is the active one
         (`tis_clip_active(c)`, `ppo_clip_active(eps)`); `clip_frac` counts those tokens.
+        mask: the tokens to count (a masked token is weighted 0, not removed: no host sync).
         entropy: per token, the entropy of the trainer's distribution at that position
         (`rl.packing.score_tokens`); the `entropy` metric is absent when never given.
         """
         new, old, ver = new_logprobs.detach().double(), old_logprobs.double(), versions
-        adv = advantages.detach()
-        ent = None if entropy is None else entropy.detach().double()
+        self._on(new.device)
+        keep = torch.ones_like(new, dtype=torch.bool) if mask is None else mask
         ctx = ver if context_versions is None else context_versions
-        if mask is not None:
-            new, old, ver, adv, ctx = new[mask], old[mask], ver[mask], adv[mask], ctx[mask]
-            ent = None if ent is None else ent[mask]
-            bins = None if bins is None else bins[mask]
-        if new.numel() == 0:
-            return
         log_ratio = new - old
         rho = torch.exp(log_ratio)
         # Schulman's (2020) estimators of KL(mu || pi) from tokens sampled by mu, with
@@ -215,56 +212,60 @@ class LossStats:
         k3 = rho - 1 - log_ratio
         abs_diff = log_ratio.abs()
         lag = trainer_version - ver.long()
-        lag0 = (lag == 0) & (ctx == ver)
-        values, counts = torch.unique(lag, return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            self.lag_counts[v] = self.lag_counts.get(v, 0) + c
-        self.tokens += new.numel()
-        self.sum_rho += rho.sum().item()
-        self.sum_rho_sq += rho.square().sum().item()
-        self.clipped += clip_active(rho, adv).sum().item()
-        self.sum_abs_diff += abs_diff.sum().item()
-        self.sum_k1 -= log_ratio.sum().item()
-        self.sum_k3 += k3.sum().item()
-        self.lag0_tokens += lag0.sum().item()
-        self.lag0_sum_abs_diff += abs_diff[lag0].sum().item()
-        self.lag0_sum_k3 += k3[lag0].sum().item()
-        self.sum_lag += lag.sum().item()
-        if ent is not None:
-            self.entropy_tokens += ent.numel()
-            self.sum_entropy += ent.sum().item()
+        lag0 = ((lag == 0) & (ctx == ver)).double()
+        ones = torch.ones_like(new)
+        ent = torch.zeros_like(new) if entropy is None else entropy.detach().double()
+        terms = torch.stack([ones, rho, rho.square(), clip_active(rho, advantages.detach()).double(),
+                             abs_diff, -log_ratio, k3, lag0, abs_diff * lag0, k3 * lag0,
+                             lag.double(), ones * (entropy is not None), ent])
+        # where, not a product: a masked token's weight may be inf (0 * inf is nan).
+        self.sums += terms.where(keep, 0.0).sum(dim=1)
+        self.lags.append(lag.masked_fill(~keep, _MASKED))
         if bins is not None:
-            sums = torch.stack([torch.ones_like(rho), rho, rho.square(), lag.double()], dim=1)
-            self.by_length[:, 1:].index_add_(0, bins.cpu(), sums.cpu())
+            per_bin = torch.stack([ones, rho, rho.square(), lag.double()], dim=1)
+            self.by_length[:, 1:].index_add_(0, bins, per_bin.where(keep[:, None], 0.0))
+
+    def lag_counts(self) -> dict[int, int]:
+        """Trained tokens per lag."""
+        if not self.lags:
+            return {}
+        values, counts = torch.unique(torch.cat(self.lags), return_counts=True)
+        return {v: c for v, c in zip(values.tolist(), counts.tolist()) if v != _MASKED}
+
+    def totals(self) -> dict[str, float]:
+        """The sums by name (the one read of the device's sums)."""
+        return dict(zip(SUMS, [0.0] * len(SUMS) if self.sums is None else self.sums.tolist()))
 
     def finalize(self) -> dict[str, Any]:
         """Metrics of the step; the lag-0 mismatch keys are absent when no token had lag 0.
 
         `lag_hist` maps each lag (as a string, JSON's key type) to its count of trained tokens.
         """
-        if self.tokens == 0:
+        t = self.totals()
+        if t["tokens"] == 0:
             return {"tokens": 0.0}
-        n = self.tokens
+        n = t["tokens"]
+        lag_counts = self.lag_counts()
         out: dict[str, Any] = {
-            "tokens": float(n),
+            "tokens": n,
             # Kong (1992) normalised effective sample size: 1 = every rho equal (on-policy).
-            "ess": self.sum_rho**2 / (n * self.sum_rho_sq),
-            "clip_frac": self.clipped / n,
-            "rho_mean": self.sum_rho / n,
-            "mismatch_abs": self.sum_abs_diff / n,
-            "kl_k1": self.sum_k1 / n,
-            "mismatch_k3": self.sum_k3 / n,
-            "lag0_tokens": float(self.lag0_tokens),
-            "lag_mean": self.sum_lag / n,
+            "ess": t["sum_rho"]**2 / (n * t["sum_rho_sq"]),
+            "clip_frac": t["clipped"] / n,
+            "rho_mean": t["sum_rho"] / n,
+            "mismatch_abs": t["sum_abs_diff"] / n,
+            "kl_k1": t["sum_k1"] / n,
+            "mismatch_k3": t["sum_k3"] / n,
+            "lag0_tokens": t["lag0_tokens"],
+            "lag_mean": t["sum_lag"] / n,
             # A negative lag (a provenance bug) stays visible: the max of what was seen.
-            "lag_max": float(max(self.lag_counts)),
-            "lag_hist": {str(lag): self.lag_counts[lag] for lag in sorted(self.lag_counts)},
+            "lag_max": float(max(lag_counts)),
+            "lag_hist": {str(lag): lag_counts[lag] for lag in sorted(lag_counts)},
         }
-        if self.lag0_tokens:
-            out["mismatch_abs_lag0"] = self.lag0_sum_abs_diff / self.lag0_tokens
-            out["mismatch_k3_lag0"] = self.lag0_sum_k3 / self.lag0_tokens
-        if self.entropy_tokens:
-            out["entropy"] = self.sum_entropy / self.entropy_tokens
+        if t["lag0_tokens"]:
+            out["mismatch_abs_lag0"] = t["lag0_sum_abs_diff"] / t["lag0_tokens"]
+            out["mismatch_k3_lag0"] = t["lag0_sum_k3"] / t["lag0_tokens"]
+        if t["entropy_tokens"]:
+            out["entropy"] = t["sum_entropy"] / t["entropy_tokens"]
         by_length = {label: _bin_metrics(row) for label, row in
                      zip(LENGTH_LABELS, self.by_length.tolist()) if row[1]}
         if by_length:

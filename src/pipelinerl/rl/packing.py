@@ -25,6 +25,7 @@ layout, kept so a benchmark can compare and the trainer can switch (same output 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from pipelinerl.engine.sampling import truncation_threshold
+from pipelinerl.rl.attention import sequence_kwargs
 from pipelinerl.types import Sample
 
 # Elements of fp32 logits materialised at once when turning logits into log-probs (256 MB).
@@ -45,8 +47,6 @@ class PackedBatch:
     input_ids: Tensor  # (R, L) long
     position_ids: Tensor  # (R, L) long, restarting at 0 for each sequence
     attention_mask: Tensor | None  # (R, L) long padding mask; None when no row is padded
-    token_rows: Tensor  # (K,) long: grid row of the position predicting each trained token
-    token_cols: Tensor  # (K,) long: grid column of that position
     target_ids: Tensor  # (K,) long: the trained (completion) token
     old_logprobs: Tensor  # (K,) float32: engine log-prob mu(a_t)
     versions: Tensor  # (K,) long: policy version that sampled the token
@@ -56,7 +56,16 @@ class PackedBatch:
     context_versions: Tensor
     advantages: Tensor  # (K,) float32: the advantage of the token's sequence
     seq_idx: Tensor  # (K,) long: index of the token's sample in the list given to pack/pad
+    # (C,) long, sorted: the grid columns whose logits are kept (those predicting a trained
+    # token in some row), and per trained token its row in those logits flattened to (R * C).
+    logit_cols: Tensor
+    logit_index: Tensor
     num_sequences: int
+    # Unpadded rows: per row, the input length of each sequence, in order (host ints, so the
+    # attention finds the sequences without reading position_ids back from a GPU)...
+    sequence_lengths: list[list[int]] | None = None
+    # ... and their boundaries over the flattened rows, int32 (varlen attention's cu_seqlens).
+    cu_seqlens: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +119,7 @@ def _build(
     context_versions: list[int] = []
     adv: list[float] = []
     seq_idx: list[int] = []
+    advantage = advantages.tolist()  # one read, not one per sequence
     for r, row in enumerate(rows):
         offset = 0
         for i, n in zip(row, lengths[r]):
@@ -129,24 +139,31 @@ def _build(
             old_lp += [s.logprobs[j] for j in trained]
             versions += [s.versions[j] for j in trained]
             context_versions += [s.versions[trained[0]]] * c if c else []
-            adv += [float(advantages[i])] * c
+            adv += [advantage[i]] * c
             seq_idx += [i] * c
             offset += n
         if attention_mask is not None:
             attention_mask[r, :offset] = 1
+    cols = sorted(set(tok_cols))
+    at = {c: i for i, c in enumerate(cols)}
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        token_rows=torch.tensor(tok_rows, dtype=torch.long),
-        token_cols=torch.tensor(tok_cols, dtype=torch.long),
         target_ids=torch.tensor(targets, dtype=torch.long),
         old_logprobs=torch.tensor(old_lp, dtype=torch.float32),
         versions=torch.tensor(versions, dtype=torch.long),
         context_versions=torch.tensor(context_versions, dtype=torch.long),
         advantages=torch.tensor(adv, dtype=torch.float32),
         seq_idx=torch.tensor(seq_idx, dtype=torch.long),
+        logit_cols=torch.tensor(cols, dtype=torch.long),
+        logit_index=torch.tensor([r * len(cols) + at[c] for r, c in zip(tok_rows, tok_cols)],
+                                 dtype=torch.long),
         num_sequences=sum(len(row) for row in rows),
+        sequence_lengths=None if padded else lengths,
+        cu_seqlens=None if padded else torch.tensor(
+            list(itertools.accumulate((n for row in lengths for n in row), initial=0)),
+            dtype=torch.int32),
     )
 
 
@@ -348,23 +365,22 @@ def score_tokens(
     if batch.num_tokens == 0:
         empty = torch.zeros(0, device=batch.input_ids.device)
         return TokenScores(empty, empty)
-    cols = torch.unique(batch.token_cols)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,  # a cache disables packed-sequence masking (module docstring)
-        logits_to_keep=cols,
+        logits_to_keep=batch.logit_cols,
+        **sequence_kwargs(batch),
     )
-    logits = out.logits  # (R, len(cols), vocab)
+    logits = out.logits  # (R, C, vocab)
     vocab = logits.shape[-1]
-    flat_rows = batch.token_rows * cols.numel() + torch.searchsorted(cols, batch.token_cols)
     flat = logits.reshape(-1, vocab)
     truncation = (top_k, top_p) if top_k > 0 or top_p < 1 else None
     chunk = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
     if batch.num_tokens <= chunk:
         # Small enough to materialise at once: plain autograd is faster (no recomputation).
-        x = flat[flat_rows].float() / temperature
+        x = flat[batch.logit_index].float() / temperature
         if truncation:
             x = _keep_sampled(x, truncation_threshold(x, *truncation), batch.target_ids)
         lse = torch.logsumexp(x, dim=-1)
@@ -372,7 +388,7 @@ def score_tokens(
         entropy = _entropy_with_grad(x, lse) if entropy_grad else _entropy(x.detach(), lse.detach())
         return TokenScores(logprobs, entropy)
     logprobs, entropy = _SelectedLogprobs.apply(
-        flat, flat_rows, batch.target_ids, temperature, chunk, truncation, entropy_grad
+        flat, batch.logit_index, batch.target_ids, temperature, chunk, truncation, entropy_grad
     )
     return TokenScores(logprobs, entropy)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -15,6 +15,7 @@ from pipelinerl.config import Config, EngineConfig, LossConfig, TrainerConfig
 from pipelinerl.parallel import idle_pass, is_sharded
 from pipelinerl.rl.advantages import groups_advantages, is_truncated
 from pipelinerl.rl.losses import (
+    SUMS,
     LossStats,
     gspo_loss,
     importance_mask,
@@ -66,9 +67,12 @@ def rl_step(
     else:
         clip_active = ppo_clip_active(loss_cfg.eps_low, loss_cfg.eps_high)
     stats = LossStats()
-    bins = length_bins(torch.tensor([len(s.token_ids) for s in trained], dtype=torch.long))
+    bins = length_bins(torch.tensor([len(s.token_ids) for s in trained], dtype=torch.long)).to(device)
     stats.count_sequences(bins)
-    totals = {"loss": 0.0, "input_tokens": 0.0, "is_masked": 0.0, "kl_ref": 0.0}
+    # Summed on the device and read once after the loop: a GPU step waits for no micro-batch.
+    loss_sum, masked_sum, kl_sum = (torch.zeros((), dtype=torch.float64, device=device)
+                                    for _ in range(3))
+    input_tokens = 0
     step_log_weights = torch.zeros(sum(b.num_sequences for b in batches), dtype=torch.float64,
                                    device=device)
     normalizer = _loss_normalizer(loss_cfg, batches, num_sequences, device)
@@ -89,19 +93,22 @@ def rl_step(
             mask = None
             if loss_cfg.is_mask is not None:
                 mask = importance_mask(new_lp, batch.old_logprobs, *loss_cfg.is_mask)
-                totals["is_masked"] += int((~mask).sum())
+                masked_sum += (~mask).sum()
             loss = _policy_loss(loss_cfg, new_lp, batch, normalizer, mask)
-            loss, kl_sum = _regularized(loss, loss_cfg, scores, batch, normalizer, ref_model,
+            loss, k3_sum = _regularized(loss, loss_cfg, scores, batch, normalizer, ref_model,
                                         scoring)
-            totals["kl_ref"] += kl_sum
+            kl_sum += k3_sum
             (loss * world).backward()
-        totals["loss"] += loss.item()
-        totals["input_tokens"] += batch.num_input_tokens
+        loss_sum += loss.detach()
+        input_tokens += batch.num_input_tokens
         if loss_cfg.ess_lr_scale:
             _add_log_weights(step_log_weights, batch, new_lp)
         stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
                   clip_active, entropy=scores.entropy, context_versions=batch.context_versions,
-                  bins=bins[batch.seq_idx.cpu()].to(device))
+                  bins=bins[batch.seq_idx])
+    totals = dict(zip(("loss", "is_masked", "kl_ref"),
+                      torch.stack([loss_sum, masked_sum, kl_sum]).tolist()))
+    totals["input_tokens"] = float(input_tokens)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
@@ -118,16 +125,17 @@ def rl_step(
         optimizer.zero_grad(set_to_none=True)
     if world > 1:
         stats, totals = _reduce(stats, totals, device)
+    metrics = stats.finalize()
+    tokens = max(1.0, metrics["tokens"])
     return {
         "loss": totals["loss"],
         "grad_norm": grad_norm.item(),
         "skipped_nonfinite": int(not finite),
         "input_tokens": int(totals["input_tokens"]),
         "lr": optimizer.param_groups[0]["lr"],
-        **stats.finalize(),
-        **({"is_mask_frac": totals["is_masked"] / max(1, stats.tokens)}
-           if loss_cfg.is_mask is not None else {}),
-        **({"kl_ref": totals["kl_ref"] / max(1, stats.tokens)} if loss_cfg.kl_coef > 0 else {}),
+        **metrics,
+        **({"is_mask_frac": totals["is_masked"] / tokens} if loss_cfg.is_mask is not None else {}),
+        **({"kl_ref": totals["kl_ref"] / tokens} if loss_cfg.kl_coef > 0 else {}),
         **({"vcpo_lr_scale": lr_scale} if loss_cfg.ess_lr_scale else {}),
     }
 
@@ -203,7 +211,7 @@ def _batches(samples: list[Sample], tc: TrainerConfig) -> list[PackedBatch]:
 
 def _regularized(loss: torch.Tensor, loss_cfg: LossConfig, scores: TokenScores,
                  batch: PackedBatch, normalizer: float, ref_model: torch.nn.Module | None,
-                 scoring: Scoring) -> tuple[torch.Tensor, float]:
+                 scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor | float]:
     """The micro-batch's loss with the entropy bonus and the KL penalty (each only when its
     coefficient is > 0, on every trained token), and its sum of k3 (0 without the penalty)."""
     if loss_cfg.entropy_coef > 0:
@@ -211,7 +219,7 @@ def _regularized(loss: torch.Tensor, loss_cfg: LossConfig, scores: TokenScores,
     if loss_cfg.kl_coef == 0:
         return loss, 0.0
     k3 = reference_k3(scores.logprobs, _reference_logprobs(ref_model, batch, scoring))
-    return loss + loss_cfg.kl_coef * k3.sum() / normalizer, k3.detach().sum().item()
+    return loss + loss_cfg.kl_coef * k3.sum() / normalizer, k3.detach().sum()
 
 
 def _add_log_weights(log_weights: torch.Tensor, batch: PackedBatch, new_lp: torch.Tensor) -> None:
@@ -299,17 +307,17 @@ def _policy_loss(loss_cfg: LossConfig, new_lp: torch.Tensor, batch: PackedBatch,
 def _reduce(stats: LossStats, totals: dict[str, float], device: torch.device
             ) -> tuple[LossStats, dict[str, float]]:
     """Sum the step's statistics over ranks, the lag histogram bin by bin."""
-    names = [f.name for f in fields(LossStats) if f.name not in ("lag_counts", "by_length")]
     keys = list(totals)
-    summed = torch.tensor([float(getattr(stats, n)) for n in names] + [totals[k] for k in keys],
-                          dtype=torch.float64, device=device)
+    stats._on(device)
+    summed = torch.cat([stats.sums.to(device),
+                        torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)])
     dist.all_reduce(summed)
-    out = LossStats(**{n: type(getattr(stats, n))(v) for n, v in zip(names, summed.tolist())})
-    out.lag_counts = _reduce_histogram(stats.lag_counts, device)
     by_length = stats.by_length.to(device)
     dist.all_reduce(by_length)
-    out.by_length = by_length.cpu()
-    return out, dict(zip(keys, summed[len(names):].tolist()))
+    lags = _reduce_histogram(stats.lag_counts(), device)
+    out = LossStats(sums=summed[:len(SUMS)], by_length=by_length, lags=[torch.repeat_interleave(
+        torch.tensor(list(lags), dtype=torch.long), torch.tensor(list(lags.values())))])
+    return out, dict(zip(keys, summed[len(SUMS):].tolist()))
 
 
 def _reduce_histogram(counts: dict[int, int], device: torch.device) -> dict[int, int]:

@@ -1,0 +1,95 @@
+"""Kernels launched and host syncs per training step and per decode step, counted on the CPU
+on a tiny model of SmolLM2's layout (tests/launch_counts.py says what counts). On a GPU both
+bound a small model's step whatever the chip (launch-bound at ~0.1% of its peak, issue 35),
+so each has a budget here: a change that adds a loop over sequences or layers, or a read of a
+device value, fails this test. The budgets are today's counts (2026-11-27, torch 2.13,
+transformers 5) plus about 10%; a change that lowers a count lowers its budget. A new
+transformers release may change the model's own op count: re-measure, and say so."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from launch_counts import HostSyncs, Kernels
+from pipelinerl.config import load_config
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.rl.attention import set_packed_attention
+from pipelinerl.rl.step import rl_step
+from pipelinerl.types import GenerationRequest, Group, Sample, SamplingParams
+from tiny_models import smollm2_layout
+
+torch.set_num_threads(1)
+
+
+def _groups(n_groups: int, rng: random.Random) -> list[Group]:
+    groups = []
+    for g in range(n_groups):
+        samples = []
+        for i in range(8):
+            n = rng.randint(5, 40)
+            samples.append(Sample(prompt_ids=[rng.randrange(512) for _ in range(20)],
+                                  token_ids=[rng.randrange(512) for _ in range(n)],
+                                  logprobs=[-1.0] * n, versions=[0] * n, reward=float(i % 2),
+                                  success=bool(i % 2), finish_reason="stop", group_id=f"g{g}",
+                                  actor_id=0))
+        groups.append(Group(f"g{g}", "p", samples, actor_id=0))
+    return groups
+
+
+def _train_step_counts(layers: int, sequences: int) -> tuple[Kernels, HostSyncs]:
+    """The second step (the first allocates Adam's state) of the default recipe, packed."""
+    cfg = load_config(overrides=["model.path=unused", f"trainer.batch_size={sequences}",
+                                 "actor.group_size=8"])
+    model = smollm2_layout(layers).train()
+    set_packed_attention(model, cfg.trainer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(0)
+    rl_step(model, optimizer, _groups(sequences // 8, rng), cfg, 0)
+    with Kernels() as kernels, HostSyncs() as syncs:
+        rl_step(model, optimizer, _groups(sequences // 8, rng), cfg, 0)
+    return kernels, syncs
+
+
+# (layers, sequences) -> (kernels, host syncs); 16 sequences are one micro-batch, 32 two.
+TRAIN_BUDGETS = {(2, 16): (740, 10), (4, 16): (1225, 10), (2, 32): (1270, 13)}
+
+
+@pytest.mark.parametrize(("layers", "sequences"), list(TRAIN_BUDGETS))
+def test_a_training_step_stays_within_its_kernel_and_sync_budgets(layers: int,
+                                                                   sequences: int) -> None:
+    """Measured before issue 35's cut: 855 / 1469 / 1518 kernels, 13 / 13 / 19 syncs (the loss
+    statistics read every micro-batch; a slice per sequence and layer, each with its own
+    backward; position_ids read back every forward)."""
+    kernels, syncs = _train_step_counts(layers, sequences)
+    kernel_budget, sync_budget = TRAIN_BUDGETS[layers, sequences]
+    assert kernels.total <= kernel_budget, kernels.counts.most_common(15)
+    assert syncs.total <= sync_budget, syncs.counts
+
+
+def _decode_step_counts(layers: int, running: int) -> tuple[Kernels, HostSyncs]:
+    hf = smollm2_layout(layers)
+    engine = TorchEngine(hf.config, capacity=8, max_seq_len=128)
+    engine.load_weights(hf.state_dict(), version=0)
+    for i in range(running):
+        engine.add_request(GenerationRequest(f"r{i}", [1 + i, 2, 3, 4, 5],
+                                             SamplingParams(max_new_tokens=100, temperature=1.0)))
+    for _ in range(3):  # past the prefill
+        engine.step()
+    with Kernels() as kernels, HostSyncs() as syncs:
+        engine.step()
+    return kernels, syncs
+
+
+def test_a_decode_step_costs_the_same_whatever_the_batch_and_stays_within_budget() -> None:
+    """One batched forward: the same kernels for 4 or 8 running sequences; 31 per layer, 50
+    outside the layers; 6 host reads, of which one (the stop check) touches the device."""
+    small, small_syncs = _decode_step_counts(2, 4)
+    large, large_syncs = _decode_step_counts(2, 8)
+    deep, _ = _decode_step_counts(4, 4)
+    assert small.counts == large.counts and small_syncs.total == large_syncs.total
+    assert (deep.total - small.total) / 2 <= 35, deep.counts - small.counts
+    assert small.total <= 125, small.counts.most_common(15)
+    assert small_syncs.total <= 6, small_syncs.counts
