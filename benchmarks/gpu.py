@@ -529,6 +529,7 @@ def packing_agrees(model: Any, groups: list[Any], device: torch.device) -> float
 
 def check_trainer(ctx: Ctx) -> dict[str, Any]:
     from pipelinerl.config import Config
+    from pipelinerl.rl.attention import use_per_sequence_attention
     from pipelinerl.rl.step import rl_step
 
     dev, res = ctx.device, {}
@@ -542,11 +543,23 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
     batches = [make_groups(batch // group_size, group_size, shape["vocab_size"], rng, ctx.quick)
                for _ in range(steps + 1)]
     res["packing_max_diff"] = packing_agrees(model.eval(), batches[0], dev)
+    # The trainer's own attention (trainer.packed_attention=per_sequence): on CUDA in bf16,
+    # one varlen flash-attention call per layer; packed must equal one sequence at a time.
+    use_per_sequence_attention(model)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        res["packing_max_diff_per_sequence_bf16"] = packing_agrees(model, batches[0], dev)
+    model.set_attn_implementation("sdpa")
     model.train()
-    log(f"  packed vs unpacked log-prob max diff: {res['packing_max_diff']:.2e}")
-    variants = [("fp32", 256, False, False), ("fp32", 1024, False, False), ("fp32", 4096, False, False),
-                ("tf32", 4096, True, False), ("bf16 autocast", 4096, True, True)]
-    for name, rows, tf32, autocast in variants:
+    log(f"  packed vs unpacked log-prob max diff: {res['packing_max_diff']:.2e} (sdpa, fp32), "
+        f"{res['packing_max_diff_per_sequence_bf16']:.2e} (per_sequence, bf16)")
+    variants = [("fp32", 256, False, False, "sdpa"), ("fp32", 1024, False, False, "sdpa"),
+                ("fp32", 4096, False, False, "sdpa"), ("tf32", 4096, True, False, "sdpa"),
+                ("bf16 autocast", 4096, True, True, "sdpa"),
+                ("bf16 autocast", 4096, True, True, "per_sequence")]
+    for name, rows, tf32, autocast, attention in variants:
+        if attention == "per_sequence":
+            use_per_sequence_attention(model)
+            name = f"{name} per_sequence"
         cfg = Config.model_validate({"trainer": {"batch_size": batch, "max_tokens_per_row": rows},
                                      "actor": {"group_size": group_size}})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -569,6 +582,7 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
         res[f"{name} rows {rows}"] = entry
         log(f"  trainer {name} rows {rows}: {entry}")
         del optimizer
+    model.set_attn_implementation("sdpa")
     torch.backends.cuda.matmul.allow_tf32 = False
     return res
 

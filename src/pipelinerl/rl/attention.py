@@ -97,7 +97,8 @@ def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value:
                          f"model's sliding window ({window} tokens), which it does not apply; "
                          "use trainer.packed_attention=masked_row")
     cu_seqlens = kwargs.get("cu_seqlens")
-    if query.is_cuda and varlen_attn is not None and cu_seqlens is not None and dropout == 0:
+    if (query.is_cuda and query.dtype in _FLASH_DTYPES and varlen_attn is not None
+            and cu_seqlens is not None and dropout == 0):
         return _varlen(query, key, value, cu_seqlens, longest, scaling), None
     gqa = key.shape[1] != query.shape[1]
     rows = []
@@ -121,6 +122,8 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longe
                       **_CAUSAL)
     return out.reshape(batch, length, heads, dim)
 
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash attention's (fp32: SDPA per sequence)
 
 # varlen_attn's causal flag: `is_causal` in torch 2.9-2.10, a (left, right) window since.
 _CAUSAL: dict[str, Any] = {} if varlen_attn is None else (
