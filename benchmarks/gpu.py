@@ -102,11 +102,11 @@ def build_hf(shape: dict[str, Any], device: torch.device, dtype: torch.dtype = t
 
 
 def build_engine(hf: Any, capacity: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0) -> Any:
+                 seed: int = 0, cuda_graphs: bool = True) -> Any:
     from pipelinerl.engine.torch_engine import TorchEngine
 
     engine = TorchEngine(hf.config, capacity=capacity, max_seq_len=max_seq_len, device=device,
-                         dtype=dtype, seed=seed)
+                         dtype=dtype, seed=seed, cuda_graphs=cuda_graphs)
     engine.load_weights(hf.state_dict(), version=0)
     return engine
 
@@ -366,6 +366,17 @@ def check_engine(ctx: Ctx) -> dict[str, Any]:
             entry |= {"hf_s": hf_s, "hf_tok_s": useful / hf_s, "hf_steps": hf_steps,
                       "hf_ms_per_step": 1e3 * hf_s / hf_steps, "speedup": hf_s / engine_s}
         entry["decode"] = decode_step_ms(ctx, engine, cap, 16 if ctx.quick else 128, 5 if ctx.quick else 20)
+        # The same requests with the decode step eager (engine.cuda_graphs=false), and greedy
+        # completions of both: graphs must change the speed, not the tokens.
+        eager = build_engine(hf, cap, max_len, dev, torch.bfloat16, seed=cap, cuda_graphs=False)
+        run_to_end(eager, make_requests(prompts[:cap], [8] * cap, 1.0, tag="w"))
+        eager_s, _ = timed(ctx, lambda: run_to_end(eager, make_requests(prompts, max_new, 1.0)))
+        entry |= {"eager_tok_s": useful / eager_s, "graphs_vs_eager": eager_s / engine_s}
+        greedy = [run_to_end(e, make_requests(prompts[:cap], max_new[:cap], 0.0, tag="g"))
+                  for e in (engine, eager)]
+        entry["greedy_same_tokens"] = sum(greedy[0][k].token_ids == greedy[1][k].token_ids
+                                          for k in greedy[0]) / len(greedy[0])
+        del eager
         res[f"capacity_{cap}"] = entry
         log(f"  capacity {cap}: {entry}")
         del engine

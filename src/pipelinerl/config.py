@@ -75,6 +75,9 @@ class EngineConfig(_Section):
     recompute_kv_on_update: bool = False
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The torch engine on CUDA replays its decode step from CUDA graphs (a small model's step
+    # is launch-bound: docs/scaling.md); false runs it eagerly. No effect on the CPU or vLLM.
+    cuda_graphs: bool = True
 
 
 class ActorConfig(_Section):
@@ -183,7 +186,9 @@ class FsdpConfig(_Section):
 class TrainerConfig(_Section):
     batch_size: int = Field(default=64, gt=0, description="samples (sequences) per optimizer step")
     max_steps: int = Field(default=200, gt=0)
-    max_time_s: float = Field(default=0.0, ge=0, description="stop after this wall-clock; 0: no limit")
+    max_time_s: float = Field(default=0.0, ge=0, description=(
+        "stop after this wall-clock; 0: no limit. A wait for groups ends at it; a step begun "
+        "before it finishes, so a run ends within one step's compute and publish of it"))
     lr: float = Field(default=1e-4, gt=0)
     # Multiplier of lr per optimizer step: a linear warm-up over warmup_steps, then constant,
     # or decaying to 0 at max_steps (linear, cosine). A run bounded by max_time_s stops earlier

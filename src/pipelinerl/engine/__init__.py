@@ -23,6 +23,7 @@ def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> Engine:
             dtype=dtype,
             recompute_kv_on_update=cfg.recompute_kv_on_update,
             seed=seed,
+            cuda_graphs=cfg.cuda_graphs,
         )
     if cfg.backend == "vllm":
         from pipelinerl.engine.vllm_engine import VllmEngine

@@ -25,6 +25,7 @@ import torch
 
 from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, truncation_threshold
 from pipelinerl.engine.base import ReceiveFn
+from pipelinerl.engine.runner import EagerRunner, GraphRunner
 from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -97,10 +98,12 @@ class TorchEngine:
         recompute_kv_on_update: bool = False,
         seed: int = 0,
         max_prefill_tokens: int = 8192,
+        cuda_graphs: bool = True,
     ) -> None:
         """`model` is a `CausalDecoder` or a HF config of a supported family (random weights, to
         be replaced by `load_weights`). `max_prefill_tokens` bounds the padded tokens of one
-        prefill forward (admissions and KV recomputes are split into such chunks)."""
+        prefill forward (admissions and KV recomputes are split into such chunks).
+        `cuda_graphs`: on CUDA, replay the decode step from CUDA graphs (engine.runner)."""
         if capacity < 1 or max_seq_len < 2:
             raise ValueError(f"need capacity >= 1 and max_seq_len >= 2, got {capacity} and {max_seq_len}")
         self.device = torch.device(device)
@@ -114,7 +117,11 @@ class TorchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.stats = EngineStats()
         self._capacity = capacity
-        self._cache = KVCache(self.model.config, capacity, max_seq_len, self.device, dtype)
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self._cache = KVCache(self.model.config, capacity, max_seq_len, self.device, dtype,
+                              scratch=graphs)
+        self._runner = (GraphRunner(self.model, self._cache, capacity, max_seq_len) if graphs
+                        else EagerRunner(self.model, self._cache))
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._queue: deque[GenerationRequest] = deque()
@@ -164,6 +171,7 @@ class TorchEngine:
         recompute_kv_on_update: bool = False,
         seed: int = 0,
         max_prefill_tokens: int = 8192,
+        cuda_graphs: bool = True,
     ) -> "TorchEngine":
         """Load a model from a local Hugging Face directory (safetensors weights); see
         `models.decoder.SUPPORTED_MODEL_TYPES` for the families."""
@@ -176,6 +184,7 @@ class TorchEngine:
             recompute_kv_on_update=recompute_kv_on_update,
             seed=seed,
             max_prefill_tokens=max_prefill_tokens,
+            cuda_graphs=cuda_graphs,
         )
 
     @property
@@ -460,7 +469,7 @@ class TorchEngine:
         n = self._n
         positions = (self._len[:n] - 1).to(self.device)
         rows = torch.arange(n, device=self.device)
-        logits = self.model.decode(self._cache, self._tokens[rows, positions], positions, int(self._len[:n].max()))
+        logits = self._runner.decode(self._tokens[rows, positions], positions, int(self._len[:n].max()))
         self._sample_into(0, n, logits)
         self.stats.decode_steps += 1
 

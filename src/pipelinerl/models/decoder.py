@@ -148,11 +148,14 @@ class KVCache:
         max_seq_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        scratch: bool = False,
     ) -> None:
+        """`scratch`: one position more, which no sequence reaches, for the padding rows of a
+        graph-captured decode step to write into (engine.runner.GraphRunner)."""
         config.check_length(max_seq_len)
         self.capacity = capacity
         self.max_seq_len = max_seq_len
-        shape = (capacity, config.num_key_value_heads, max_seq_len, config.head_dim)
+        shape = (capacity, config.num_key_value_heads, max_seq_len + scratch, config.head_dim)
         # Zeros, not empty: masked-out positions still enter the attention matmul with weight 0,
         # and 0 * NaN from uninitialised memory would poison the output.
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
