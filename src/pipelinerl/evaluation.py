@@ -306,7 +306,8 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
 
         endpoint = GenerateEndpoint(model=model_path, max_model_len=cfg.engine.max_seq_len,
                                     vocab_size=len(tokenizer),
-                                    default_max_tokens=cfg.engine.max_new_tokens)
+                                    default_max_tokens=cfg.engine.max_new_tokens,
+                                    eos_token_ids=stop_ids, tokenizer=tokenizer)
         runner = open_episodes(cfg, task, endpoint, tokenizer, actor_id=-1)
         engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
         return EvalSetup(problems, [], eval_modes(cfg.eval, base), None, decode,
