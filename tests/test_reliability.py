@@ -41,12 +41,13 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 240) -> None:
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 240,
+                   poll_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout_s
     while max(_steps(run_dir), default=0) < step:
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s:.0f} s"
-        time.sleep(0.2)
+        time.sleep(poll_s)
 
 
 def _pid_of(pattern: str) -> int:
@@ -64,13 +65,20 @@ def _audit(run_dir: Path) -> tuple[int, list[int], str]:
 
 
 def _kill_an_actor_and_finish(args: list[str], run_dir: Path, actor_id: int,
-                              steps: int) -> tuple[str, int, int, int]:
-    """SIGKILL actor `actor_id` after step 3; the run finishes with every step once and the
-    audit finds nothing lost or duplicated. The launcher's stderr and (published, trained,
-    dropped)."""
+                              steps: int, at_once: bool = False) -> tuple[str, int, int, int]:
+    """SIGKILL actor `actor_id` after step 3 (`at_once`: within ~10 ms of its record); the run
+    finishes with every step once and the audit finds nothing lost or duplicated. The
+    launcher's stderr and (published, trained, dropped)."""
     proc = _train(args)
-    _wait_for_step(proc, run_dir, 3)
-    os.kill(_pid_of(f"actor {run_dir}/config.yaml --actor-id {actor_id}"), signal.SIGKILL)
+    pattern = f"actor {run_dir}/config.yaml --actor-id {actor_id}"
+    if at_once:
+        _wait_for_step(proc, run_dir, 1)
+        pid = _pid_of(pattern)
+        _wait_for_step(proc, run_dir, 3, poll_s=0.01)
+    else:
+        _wait_for_step(proc, run_dir, 3)
+        pid = _pid_of(pattern)
+    os.kill(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert f"actor_{actor_id} died (exit code -9); restarting it" in err
@@ -103,6 +111,22 @@ def test_a_killed_actor_is_restarted_over_broadcast_and_nothing_is_lost(tmp_path
     run_dir = tmp_path / "runs" / "bcast-kill"
     err, *_ = _kill_an_actor_and_finish(args, run_dir, 1, 10)
     assert "formed again (epoch 1)" in err  # the trainer's log
+
+
+def test_the_only_actor_killed_over_broadcast_while_the_trainer_waits_is_restarted(
+        tmp_path: Path, warm_cache: Path) -> None:
+    """Issue 37, D1: one actor over broadcast, SIGKILLed while the trainer waits for its
+    samples. On main the restart waited in its constructor for the trainer to form the weight
+    group again, which it did only inside its next publish, which needed that actor's samples:
+    no step after the kill, and the launcher failed after about 2 x sync.timeout_s. With
+    actor.max_lag=0 the actor starts step 4's groups only once it holds step 3's weights
+    (published before step 3 is logged), and with engine.capacity=4 they take a while: the kill
+    lands while the trainer waits for them."""
+    args = _args(tmp_path, warm_cache, "bcast-one", "trainer.max_steps=5", "actor.max_lag=0",
+                 "engine.capacity=4", "sync.backend=broadcast", "sync.timeout_s=30")
+    run_dir = tmp_path / "runs" / "bcast-one"
+    err, *_ = _kill_an_actor_and_finish(args, run_dir, 0, 5, at_once=True)
+    assert "a restarted actor waits for weights: publishing version 3" in err  # the trainer's log
 
 
 def test_a_killed_trainer_resumes_from_its_checkpoint_with_contiguous_steps(tmp_path: Path,

@@ -499,11 +499,15 @@ class _DiesMidTransfer(BroadcastWeightReceiver):
 
 
 def _big_receiver(init: str, actor_id: int, versions: list[int], q: Any,
-                  may_rejoin: bool = False, dies: bool = False) -> None:
+                  may_rejoin: bool = False, dies: bool = False, n_actors: int = 2,
+                  go: Any = None) -> None:
+    """`go`: an event to wait for first (a restart, its imports done ahead of time)."""
     torch.set_num_threads(1)
     try:
+        if go is not None:
+            go.wait()
         cls = _DiesMidTransfer if dies else BroadcastWeightReceiver
-        r = cls(init, actor_id, 2, timeout_s=30.0, rendezvous_timeout_s=60,
+        r = cls(init, actor_id, n_actors, timeout_s=30.0, rendezvous_timeout_s=60,
                 may_rejoin=may_rejoin)
         target = torch.zeros(_BIG)
         _serve(r, actor_id, versions, {"w": target}, q,
@@ -587,6 +591,210 @@ def test_broadcast_member_killed_mid_transfer_and_not_restarted_aborts_everyone(
         sender.close()
         survivor.kill()
         _reap(survivor, doomed)
+
+
+def _await_rejoined(sender: BroadcastWeightSender) -> None:
+    """As the trainer does while it waits for samples: ask until a restarted actor waits."""
+    deadline = time.monotonic() + 60
+    while not sender.rejoined():
+        assert time.monotonic() < deadline, "the restarted actor never asked to rejoin"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("moment", "n_actors"), [
+    ("between publishes", 1),
+    ("between publishes", 2),  # the live actor takes the version again
+    ("before the first publish", 1),
+    ("mid-transfer", 1),
+])
+def test_broadcast_actor_killed_at_any_moment_is_restarted_and_gets_the_current_weights(
+        moment: str, n_actors: int) -> None:
+    """Issue 37, D1: actor 0 SIGKILLed and restarted by the launcher. Between publishes the
+    trainer waits for that actor's samples while the restart waits in its constructor for the
+    group to form again; on main only the trainer's next publish formed it, which one actor
+    never let come (the restart timed out). Now the trainer asks `rejoined()` as it waits and
+    publishes its current version again (any version before the first publish); every member
+    takes it. Mid-transfer, the version is sent again (as on main)."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    first = [] if moment == "before the first publish" else [1]
+    mid = moment == "mid-transfer"
+    q_doomed, q_new, q_live = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
+    doomed = SPAWN.Process(target=_big_receiver, args=(
+        init, 0, first + [2] * mid, q_doomed, False, mid, n_actors))
+    again = 2 if mid else first[0] if first else 5  # what the trainer sends the restart
+    restarted = SPAWN.Process(target=_big_receiver, args=(
+        init, 0, [again, again + 1], q_new, True, False, n_actors))
+    live = SPAWN.Process(target=_big_receiver, args=(
+        init, 1, first + [again, again + 1], q_live, False, False, n_actors))
+    doomed.start()
+    if n_actors == 2:
+        live.start()
+    sender = BroadcastWeightSender(init, n_actors=n_actors, bucket_mb=4.0, timeout_s=30,
+                                   rendezvous_timeout_s=60)
+    queues = [q_new, q_live][:n_actors]
+
+    def launcher() -> None:  # restart the actor once it has died
+        doomed.join()
+        restarted.start()
+
+    watcher = threading.Thread(target=launcher)
+    try:
+        for v in first:
+            sender.publish(_big_weights(v), v)
+            assert [_get(q)[:2] for q in [q_doomed, q_live][:n_actors]] == [(0, v), (1, v)][:n_actors]
+        watcher.start()
+        if mid:
+            sender.publish(_big_weights(2), 2)  # the actor dies inside this transfer
+            assert doomed.exitcode == 7
+        else:
+            doomed.kill()
+            _await_rejoined(sender)  # the trainer, waiting for samples
+            sender.publish(_big_weights(again), again)
+        for v in (again, again + 1):
+            if v > again:
+                sender.publish(_big_weights(v), v)
+            assert [_get(q) for q in queues] == [(0, v, True), (1, v, True)][:n_actors]
+        assert sender.epoch == 1
+        sender.close()
+        assert [_get(q) for q in queues] == [(0, "closed"), (1, "closed")][:n_actors]
+    finally:
+        sender.close()
+        watcher.join(timeout=60)
+        for p in (restarted, live):
+            if p.pid is not None:
+                p.kill()
+        _reap(*(p for p in (doomed, restarted, live) if p.pid is not None))
+
+
+def _gloo_resources() -> tuple[int, int]:
+    """(threads, sockets) of this process."""
+    sockets = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile (the listing's own fd)
+            pass
+    return len(os.listdir("/proc/self/task")), sockets
+
+
+def test_broadcast_groups_left_by_restarted_actors_are_released() -> None:
+    """Issue 37, D5: every regroup left the old gloo group, with its threads and sockets, for
+    the rest of the run (here 3 threads and a socket per restart). A group with nothing posted
+    in it is released: three restarts of the only actor leave the sender as after one."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q = SPAWN.Queue()
+    actor = SPAWN.Process(target=_bcast_receiver, args=(init, 0, 1, [1], torch.float32, 30.0, q))
+    actor.start()
+    sender = BroadcastWeightSender(init, n_actors=1, timeout_s=30, rendezvous_timeout_s=60)
+    held = []
+    try:
+        sender.publish(_weights(1), 1)
+        assert _get(q)[:2] == (0, 1)
+        for v in range(2, 5):
+            actor.kill()
+            actor.join()
+            actor.close()
+            q = SPAWN.Queue()
+            actor = SPAWN.Process(target=_bcast_receiver,
+                                  args=(init, 0, 1, [v], torch.float32, 30.0, q, True))
+            actor.start()
+            sender.publish(_weights(v), v)  # forms the group again to take the restart
+            assert _get(q)[:2] == (0, v)
+            held.append(_gloo_resources())
+        assert sender.epoch == 3
+        assert held[-1] == held[0], held
+    finally:
+        sender.close()
+        actor.kill()
+        _reap(actor)
+
+
+class _OneTensor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(_BIG))
+
+
+def _sharded_trainer(rank: int, world: int, init: str) -> int | None:
+    """A 2-rank FSDP2 trainer publishing through `Trainer`: versions 1 and 2 (a receiver dies
+    inside 2), then, waiting for samples, its current version to a restarted receiver, then 3.
+    The sender's epoch (rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pipelinerl.config import load_config
+    from pipelinerl.trainer import Trainer, share_groups
+
+    model = fully_shard(_OneTensor(), mesh=init_device_mesh("cpu", (world,)))
+    sender = (BroadcastWeightSender(init, n_actors=1, bucket_mb=4.0, timeout_s=30,
+                                    rendezvous_timeout_s=60) if rank == 0 else None)
+    trainer = Trainer(load_config(overrides=["trainer.strategy=fsdp2"]), model, None, sender)
+
+    def publish(version: int) -> None:
+        trainer.step = version
+        with torch.no_grad():
+            model.w.to_local().fill_(float(version))  # this rank's shard
+        trainer._publish()
+
+    publish(1)
+    publish(2)  # the receiver dies inside it: every rank gathers again
+    if sender is None:  # rank 0 waits for samples: the other ranks wait for its batch
+        share_groups(None, rank, world, trainer._publish)
+    else:
+        deadline = time.monotonic() + 60
+        while sender.epoch < 2:  # a second restart, taken in while waiting
+            assert time.monotonic() < deadline, "the second restart never rejoined"
+            trainer.serve_rejoined()
+            time.sleep(0.05)
+        share_groups([], rank, world)
+    publish(3)
+    if sender is None:
+        return None
+    sender.close()
+    return sender.epoch
+
+
+def test_a_sharded_trainer_sends_a_version_again_to_restarted_receivers() -> None:
+    """Issue 37: FSDP2 gathers are collectives of every trainer rank, so on main a transfer cut
+    by a dead receiver could not be sent again from rank 0 alone (the channel broke, 'streamed
+    (sharded) weights cannot be sent again'). Rank 0 now leads each walk of the gathers and
+    the other ranks follow: they gather again for the resend, and again when rank 0 publishes
+    to a restart while it waits for samples."""
+    from ranks import run_ranks
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    q_doomed, q_new, q_last = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
+    go_new, go_last = SPAWN.Event(), SPAWN.Event()
+    doomed = SPAWN.Process(target=_big_receiver, args=(init, 0, [1, 2], q_doomed, False, True, 1))
+    restarted = SPAWN.Process(target=_big_receiver,
+                              args=(init, 0, [2], q_new, True, False, 1, go_new))
+    last = SPAWN.Process(target=_big_receiver,
+                         args=(init, 0, [2, 3], q_last, True, False, 1, go_last))
+    got: list[Any] = []
+
+    def launcher() -> None:  # restart the receiver when it dies; kill the restart once served
+        doomed.join()
+        go_new.set()
+        got.append(_get(q_new))
+        restarted.kill()
+        restarted.join()
+        go_last.set()
+
+    for p in (doomed, restarted, last):
+        p.start()
+    watcher = threading.Thread(target=launcher)
+    watcher.start()
+    try:
+        assert run_ranks(2, _sharded_trainer, init, timeout_s=180) == [2, None]
+        watcher.join(timeout=60)
+        assert _get(q_doomed) == (0, 1, True) and doomed.exitcode == 7
+        assert got == [(0, 2, True)]
+        assert [_get(q_last) for _ in range(3)] == [(0, 2, True), (0, 3, True), (0, "closed")]
+    finally:
+        watcher.join(timeout=60)
+        restarted.kill()
+        last.kill()
+        _reap(doomed, restarted, last)
 
 
 def test_broadcast_receiver_waiting_for_data_leaves_when_the_trainer_gives_up_hand_driven_sender() -> None:

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -214,14 +215,18 @@ class GatheredWeights:
     rank walks `tensors()` (rank 0 through its sender, the others with `drain`), because each
     gather is a collective.
 
+    A sender may need to walk again (a broadcast cut by a dead receiver is sent anew): within
+    `lead()` on rank 0, every walk is announced to the other ranks, which `follow()` until
+    rank 0 leaves it; the weights are then `replayable`.
+
     `dtype` (the engines' `engine.dtype`): floating tensors are cast to it shard by shard before
     their gather, so a bf16 engine gets bf16 weights (half the float32 master's bytes gathered,
     sent and held by the channel); the actors would cast them on receipt anyway."""
 
-    replayable = False  # each walk is a collective of every rank
-
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
+        self._leading = False
+        self._walk: Iterator[torch.Tensor] | None = None  # rank 0's latest walk, when leading
         # A forward without a backward leaves the root's weights gathered (FSDP2 keeps the
         # root unsharded after its forward): register the shards again, or the names below
         # would hold views into a buffer that the next gather frees.
@@ -244,15 +249,58 @@ class GatheredWeights:
         self.device = (torch.device(first.device_mesh.device_type) if isinstance(first, DTensor)
                        else first.device)
 
-    @torch.no_grad()
+    @property
+    def replayable(self) -> bool:
+        """Whether `tensors()` may be walked again: only when the other ranks follow."""
+        return self._leading
+
     def tensors(self) -> Iterator[torch.Tensor]:
+        if not self._leading:
+            return self._gathered()
+        self._finish_walk()
+        self._announce(True)
+        self._walk = self._gathered()
+        return self._walk
+
+    @torch.no_grad()
+    def _gathered(self) -> Iterator[torch.Tensor]:
         for obj in self._slots:
             yield full_tensor(obj, self.dtype)
 
     def drain(self) -> None:
-        """A rank without the sender takes part in every gather."""
-        for _ in self.tensors():
+        """A rank without the sender takes part in every gather of one walk."""
+        for _ in self._gathered():
             pass
+
+    @contextmanager
+    def lead(self) -> Iterator[GatheredWeights]:
+        """Rank 0, around its sender's publish: each walk of `tensors()` is announced to the
+        other ranks (`follow`), so the sender may walk again. On leaving, even by an error, a
+        walk cut short is finished (the others are in its gathers) and the others are let go."""
+        self._leading = True
+        try:
+            yield self
+        finally:
+            self._leading = False
+            self._finish_walk()
+            self._announce(False)
+
+    def follow(self) -> None:
+        """Every rank but 0, while rank 0 leads: take part in each walk it announces."""
+        while self._announce(None):
+            self.drain()
+
+    def _finish_walk(self) -> None:
+        if self._walk is not None:
+            for _ in self._walk:
+                pass
+            self._walk = None
+
+    def _announce(self, walk: bool | None) -> bool:
+        """Rank 0's word (`walk`; None on the other ranks) on whether another walk follows."""
+        flag = torch.tensor([float(bool(walk))], device=self.device)  # NCCL: a device tensor
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from pipelinerl.parallel import (
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.streams.base import StreamReader
-from pipelinerl.sync.base import CastWeights, WeightSender
+from pipelinerl.sync.base import CastWeights, RejoinableSender, WeightSender
 from pipelinerl.types import HEARTBEAT_S, Group, Sample, attempt_index
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class BatchSource:
     # dropped in this very batch only once it learns they are free (after a resume, a batch
     # can drop more groups made after the checkpoint than the bound leaves room for).
     announce: Callable[[dict[int, int]], None] | None = None
+    # Called likewise: a restarted actor waits for weights while the trainer waits for its
+    # groups (Trainer.serve_rejoined).
+    idle: Callable[[], None] | None = None
     trimmed: int = 0  # records deleted from the stream after checkpoints (counted for audits)
     wait_s: float = 0.0
     actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -161,6 +164,8 @@ class BatchSource:
             if len(batch) == n_groups:
                 break
             self._announce_returned()
+            if self.idle is not None:
+                self.idle()
             if time.monotonic() - last_usable > self.timeout_s:  # the buffer is empty here
                 dropped = sum(self.dropped.values()) - dropped_before
                 raise TimeoutError(
@@ -243,6 +248,8 @@ class Trainer:
         self.model = model
         self.source = source
         self.sender = sender
+        if source is not None:
+            source.idle = self.serve_rejoined
         tc = cfg.trainer
         # Only what trains (with LoRA: the adapters), so the optimizer state is that small.
         self.optimizer = torch.optim.AdamW(
@@ -365,6 +372,19 @@ class Trainer:
             self._publish()
         return self.sender is not None
 
+    def serve_rejoined(self) -> None:
+        """Rank 0, while it waits for groups: an actor restarted since the last publish gets
+        the current weights now (the last version again, or this step's), not at the next
+        publish. It generates nothing before, so with one actor that publish never came. A
+        sharded trainer's other ranks wait in `share_groups`: they are told to gather."""
+        if not (isinstance(self.sender, RejoinableSender) and self.sender.rejoined()):
+            return
+        log.warning("a restarted actor waits for weights: publishing version %d to it",
+                    self.step)
+        if is_sharded(self.model) and dist.get_world_size() > 1:
+            dist.broadcast_object_list([_PUBLISH_AGAIN], src=0)
+        self._publish()
+
     def _publish(self) -> None:
         t0 = time.monotonic()
         # In the engines' dtype: what they hold, half of float32's bytes for bf16.
@@ -372,9 +392,10 @@ class Trainer:
         if is_sharded(self.model):
             weights = GatheredWeights(self.model, dtype=dtype)
             if self.sender is None:
-                weights.drain()
-            else:
-                self.sender.publish(weights, self.step)
+                weights.follow()
+            else:  # the sender may gather again: a transfer cut by a dead actor is resent
+                with weights.lead():
+                    self.sender.publish(weights, self.step)
         elif self.sender is not None:
             self.sender.publish(CastWeights(trainer_weights(self.model), dtype), self.step)
         self.publish_s = time.monotonic() - t0
@@ -483,13 +504,23 @@ def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = Fal
     return rank, world, device
 
 
-def share_groups(groups: list[Group] | None, rank: int, world: int) -> list[Group]:
-    """Rank 0 read the step's groups; every rank gets its equal shard (groups are whole)."""
+# share_groups' payload when rank 0 publishes while it waits (Trainer.serve_rejoined).
+_PUBLISH_AGAIN = "publish again"
+
+
+def share_groups(groups: list[Group] | None, rank: int, world: int,
+                 publish: Callable[[], None] | None = None) -> list[Group]:
+    """Rank 0 read the step's groups; every rank gets its equal shard (groups are whole). A
+    sharded trainer's other ranks `publish` with rank 0 whenever it says so meanwhile."""
     if world == 1:
         assert groups is not None
         return groups
     payload = [[g.to_dict() for g in groups] if rank == 0 else None]
     dist.broadcast_object_list(payload, src=0)
+    while payload[0] == _PUBLISH_AGAIN:
+        assert publish is not None, "rank 0 publishes while waiting only when sharded"
+        publish()
+        dist.broadcast_object_list(payload, src=0)
     return [Group.from_dict(d) for d in payload[0][rank::world]]
 
 
@@ -594,7 +625,7 @@ def run_trainer(cfg: Config) -> None:
     try:
         while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, world, device):
             groups = next(batches) if batches is not None else None
-            shard = share_groups(groups, rank, world)
+            shard = share_groups(groups, rank, world, trainer._publish)
             metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)
             if sharded or is_main:
                 trainer.maybe_publish()

@@ -75,6 +75,19 @@ class WeightSender(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class RejoinableSender(Protocol):
+    """A sender whose receivers all take part in every transfer (broadcast). A receiver
+    restarted after its process died waits for the group to be formed again and receives
+    nothing meanwhile, so the trainer asks `rejoined()` while it waits for samples and then
+    publishes: the version it last published again (`publish` takes it once a receiver
+    rejoined), or a newer one."""
+
+    def rejoined(self) -> bool:
+        """Whether a restarted receiver waits to be taken in (cheap: one store read)."""
+        ...
+
+
 class WeightReceiver(Protocol):
     def poll(self) -> int | None:
         """The newest published version if it is newer than the last received, else None."""

@@ -47,9 +47,10 @@ A member lost during a transfer (killed between `go` and the last bucket): which
 the whole version is arbitrary (a tree broadcast may relay through the dead rank), so the
 sender waits up to `rendezvous_timeout_s` for the launcher's restart of that actor to rejoin,
 sets `done/<v> = retry`, forms the group again and sends the same version to every member.
-Streamed weights (a sharded trainer gathers each tensor with its peers) cannot be sent twice
-from rank 0 alone: they, and a loss with no rejoin, set `done/<v> = abort: ...` and break the
-channel, which then stays broken (the run fails, resumable from its last checkpoint).
+Streamed weights are sent again only if `replayable` (a sharded trainer's are while rank 0
+leads the other ranks' gathers: `GatheredWeights.lead`); others, and a loss with no rejoin,
+set `done/<v> = abort: ...` and break the channel, which then stays broken (the run fails,
+resumable from its last checkpoint).
 
 Membership changes (an actor restarted by the launcher): a torch.distributed group cannot take
 a new member, so the group is formed again. The restarted receiver (`may_rejoin`: it continues
@@ -59,6 +60,17 @@ for a new epoch. The sender checks `rejoins` while it waits for actors at a publ
 meets again under the new epoch's keys and builds a new group (its own `pg<k>` store prefix);
 the live actors notice at their next `poll()` or through that verdict. The publish then goes on
 in the new group. A member that dies during a transfer is taken back the same way (above).
+The trainer also asks `rejoined()` while it waits for samples, and then publishes the version
+it last published again (or a newer one): a restarted actor generates nothing before it holds
+the current weights, so with one actor the next publish would never come. A receiver that
+meets a new epoch through `poll()` takes the current version again, since a broadcast needs
+every member: an update costs the live actors one reload per restart.
+
+Retired groups: a group left after a lost member is aborted, not torn down (tearing down a
+gloo group waits for a collective still posted in it, a transfer cut short, to time out), and
+released once every collective posted in it has completed (at most `timeout_s` later): a run
+holds the sockets and threads of at most the groups of the last `timeout_s`, not one per
+restart for the whole run.
 
 Shutdown: the sender's `close()` sets `version = closed` and keeps the store (which lives in
 the trainer's process) up until every live actor has seen it (its `poll()` then answers None
@@ -205,7 +217,9 @@ class _Channel:
         self.last_transfer_s = 0.0  # last update: time spent moving the weights
         self.store: dist.TCPStore | None = None
         self.group: _Group | None = None
-        self._retired: list[_Group] = []  # groups left after a lost member (see _drop_group)
+        self._posted: list[dist.Work] = []  # the group's collectives not yet seen completed
+        # Groups left after a lost member, with what is still posted in them (see _drop_group).
+        self._retired: list[tuple[_Group, list[dist.Work]]] = []
         self.epoch = 0
         self._layout: WeightLayout | None = None
         self._buckets: tuple[int, _Plan] = (0, [])  # (the bucket size it was planned for, plan)
@@ -228,16 +242,25 @@ class _Channel:
     def _drop_group(self) -> None:
         """Leave the current group, aborted but not torn down: tearing down a gloo group
         waits until a collective still posted in it (a transfer cut short) times out. It is
-        kept instead; a group is left only when a member was lost, which is rare."""
+        kept until then (`_release_retired`)."""
         if self.group is not None:
             self.group.abort()
-            self._retired.append(self.group)
-            self.group = None
+            self._retired.append((self.group, self._posted))
+            self.group, self._posted = None, []
+        self._release_retired()
+
+    def _release_retired(self) -> None:
+        """Let go of the retired groups with nothing posted any more (their collectives done,
+        failed or timed out): their sockets and threads go with them."""
+        self._retired = [(g, pending) for g, works in self._retired
+                         if (pending := [w for w in works if not w.is_completed()])]
 
     def _start(self, t: torch.Tensor, what: str) -> tuple[dist.Work, str]:
         assert self.group is not None
         with self._collective(what):
-            return self.group.broadcast(t, 0, self.timeout), what
+            work = self.group.broadcast(t, 0, self.timeout)
+        self._posted = [w for w in self._posted if not w.is_completed()] + [work]
+        return work, what
 
     def _wait(self, pending: tuple[dist.Work, str]) -> None:
         with self._collective(pending[1]):
@@ -285,6 +308,7 @@ class BroadcastWeightSender(_Channel):
         self.per_parameter = per_parameter
         self._version: int | None = None
         self._broken: str | None = None
+        self._spent: list[str] = []  # the last transfer's verdict keys (deleted after the next)
         try:
             self.store = dist.TCPStore(self.host, self.port, None, True, wait,
                                        wait_for_workers=False)
@@ -353,12 +377,24 @@ class BroadcastWeightSender(_Channel):
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_S)  # quick when actors are quick, light when busy
 
+    def rejoined(self) -> bool:
+        """Whether a restarted receiver asked to join and waits for the group to form again
+        (one store read): the trainer then publishes, the last version again if it has no
+        newer one (`publish`)."""
+        assert self.store is not None
+        self._release_retired()
+        return self.store.add("rejoins", 0) > self._rejoins_seen
+
     def publish(self, weights: Weights, version: int) -> None:
+        """Send `weights` as `version` to every receiver: a version newer than the last, or,
+        once a receiver `rejoined()`, the last one again (the group is formed again first)."""
         if self._broken is not None:
             raise RuntimeError(f"weight channel broken by an earlier failure: {self._broken}")
-        if self._version is not None and version <= self._version:
+        if self._version is not None and version <= self._version and not (
+                version == self._version and self.rejoined()):
             raise ValueError(f"version {version} is not newer than {self._version}")
         assert self.store is not None
+        self._release_retired()
         layout, sources, _ = open_weights(weights, self._layout)
         if self._layout is None:
             self._layout = layout
@@ -380,9 +416,10 @@ class BroadcastWeightSender(_Channel):
         self._finish_timing(t1)
         logger.info("broadcast weights version %d: waited %.1f ms for actors, sent in %.1f ms",
                     version, 1e3 * self.last_wait_s, 1e3 * self.last_transfer_s)
-        if self._version is not None:
-            for name in ("go", "done"):
-                self.store.delete_key(self._key(f"{name}/{self._version}"))
+        # Every member has read the previous transfer's verdicts: it is at this one.
+        for key in self._spent:
+            self.store.delete_key(key)
+        self._spent = [self._key(f"{name}/{version}") for name in ("go", "done")]
         self._version = version
 
     def _await_rejoin(self, version: int, weights: Weights, sources: Iterator[torch.Tensor],
@@ -410,9 +447,8 @@ class BroadcastWeightSender(_Channel):
 
     def _rejoined_within(self, timeout_s: float) -> bool:
         """Whether a restarted receiver asks to rejoin (one not yet taken in) within `timeout_s`."""
-        assert self.store is not None
         deadline = time.monotonic() + timeout_s
-        while self.store.add("rejoins", 0) <= self._rejoins_seen:
+        while not self.rejoined():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
@@ -520,7 +556,8 @@ class BroadcastWeightReceiver(_Channel):
         self._join(self.epoch)
 
     def _await_new_epoch(self, seen: int) -> int:
-        """The trainer forms the group again at its next publish: wait for that epoch."""
+        """The trainer forms the group again while it waits for samples or at its next
+        publish: wait for that epoch."""
         assert self.store is not None
         deadline = time.monotonic() + self.rendezvous_timeout_s
         while (epoch := int(self.store.get("epoch"))) <= seen:
@@ -550,10 +587,14 @@ class BroadcastWeightReceiver(_Channel):
         if self.closed:
             return None  # the store may be gone by now: do not ask it
         assert self.store is not None
+        if self._retired:
+            self._release_retired()
         try:
             value, epoch = (b.decode() for b in self.store.multi_get(["version", "epoch"]))
             if int(epoch) > self.epoch:  # a restarted actor joined: meet it in the new group
                 self._join(int(epoch))
+                # The trainer sends the new member the current version: every member takes it.
+                self.last_version = None
             if value == "closed":
                 self.closed = True
                 self._report("closed")  # lets the trainer's close() return
