@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -280,6 +281,23 @@ def test_drops_give_places_back_and_the_source_survives_a_checkpoint(tmp_path: P
     with pytest.raises(TimeoutError):
         again.take(1, step=5)
     assert again.dropped == {"stale": 2, "malformed": 1} and again.returned == {0: 1, 1: 2}
+
+
+@pytest.mark.parametrize("mode", ["mode=pipeline", "mode=conventional"])
+def test_a_wait_for_groups_ends_when_max_time_s_runs_out(tmp_path: Path, mode: str) -> None:
+    """trainer.max_time_s was checked only between steps: a trainer waiting for a batch (a
+    conventional round, slow actors) overran it by the whole wait, up to sample_timeout_s.
+    Now the wait ends at the budget, and the groups already read wait in the checkpoint."""
+    with open_writer("local", stream="rollouts", writer_id="actor_0", root=tmp_path) as w:
+        w.write(_groups(0, n_groups=1)[0].to_dict())
+    trainer = Trainer(load_config(overrides=[
+        "model.path=unused", f"output_dir={tmp_path}", "name=r", "trainer.batch_size=8",
+        "actor.group_size=4", "trainer.max_time_s=1", mode]),
+        tiny_hf_model("qwen2", seed=1).train(), source=_source(tmp_path), sender=None)
+    trainer.source.timeout_s = 60.0  # the source alone would wait this long, then raise
+    assert next(trainer.batches()) is None
+    assert 1.0 < time.monotonic() - trainer.started_at < 10.0
+    assert [g["group_id"] for g in trainer.source.snapshot()["buffered"]] == ["s0-g0"]
 
 
 def test_groups_made_with_weights_lost_in_a_crash_are_dropped_whatever_the_step(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from collections import Counter
 from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -145,8 +145,10 @@ class BatchSource:
         ids, self.dropped_ids = self.dropped_ids, {}
         return ids
 
-    def take(self, n_groups: int, step: int) -> list[Group]:
-        """The next `n_groups` groups usable at optimizer step `step`, in arrival order.
+    def take(self, n_groups: int, step: int, deadline: float | None = None) -> list[Group] | None:
+        """The next `n_groups` groups usable at optimizer step `step`, in arrival order; None
+        if the monotonic clock passes `deadline` while waiting for them (the groups taken so
+        far go back to the buffer, which a checkpoint keeps).
         Raises TimeoutError when none usable came for `timeout_s`: groups that keep arriving
         only to be dropped (another run's, all stale) stop the run instead of holding it."""
         last_usable = time.monotonic()
@@ -166,6 +168,9 @@ class BatchSource:
             self._announce_returned()
             if self.idle is not None:
                 self.idle()
+            if deadline is not None and time.monotonic() > deadline:
+                self.buffer[:0] = batch
+                return None
             if time.monotonic() - last_usable > self.timeout_s:  # the buffer is empty here
                 dropped = sum(self.dropped.values()) - dropped_before
                 raise TimeoutError(
@@ -330,18 +335,24 @@ class Trainer:
             resumes = record_resume(self.cfg.run_dir, self.cfg.attempt, self.step)
             self.source.valid_upto = valid_upto(resumes)
 
-    def batches(self) -> Iterator[list[Group]]:
-        """Yields one batch of groups per optimizer step, on the configured schedule."""
+    def batches(self) -> Iterator[list[Group] | None]:
+        """Yields one batch of groups per optimizer step, on the configured schedule; None once
+        trainer.max_time_s runs out while it waits for groups (a wait never overruns it)."""
         assert self.source is not None, "only trainer rank 0 reads the stream"
         n_groups = self.cfg.trainer.batch_size // self.cfg.actor.group_size
+        max_time_s = self.cfg.trainer.max_time_s
+        deadline = self.started_at + max_time_s if max_time_s else None
         if self.cfg.mode == "pipeline":
             while True:
-                yield self.source.take(n_groups, self.step)
+                yield self.source.take(n_groups, self.step, deadline)
         g = self.cfg.conventional_g
         while True:
             # Conventional RL: the whole round of B*G samples is generated with frozen weights
             # before the first of its G optimizer steps.
-            round_groups = self.source.take(n_groups * g, self.step)
+            round_groups = self.source.take(n_groups * g, self.step, deadline)
+            if round_groups is None:
+                yield None
+                continue
             for i in range(g):
                 yield round_groups[i * n_groups:(i + 1) * n_groups]
 
@@ -509,19 +520,25 @@ _PUBLISH_AGAIN = "publish again"
 
 
 def share_groups(groups: list[Group] | None, rank: int, world: int,
-                 publish: Callable[[], None] | None = None) -> list[Group]:
-    """Rank 0 read the step's groups; every rank gets its equal shard (groups are whole). A
-    sharded trainer's other ranks `publish` with rank 0 whenever it says so meanwhile."""
+                 publish: Callable[[], None] | None = None) -> list[Group] | None:
+    """Rank 0 read the step's groups; every rank gets its equal shard (groups are whole), or
+    None when rank 0 got none (the time budget ran out while it waited). A sharded trainer's
+    other ranks `publish` with rank 0 whenever it says so meanwhile."""
     if world == 1:
-        assert groups is not None
         return groups
-    payload = [[g.to_dict() for g in groups] if rank == 0 else None]
+    payload = [None if rank != 0 or groups is None else [g.to_dict() for g in groups]]
     dist.broadcast_object_list(payload, src=0)
     while payload[0] == _PUBLISH_AGAIN:
         assert publish is not None, "rank 0 publishes while waiting only when sharded"
         publish()
         dist.broadcast_object_list(payload, src=0)
-    return [Group.from_dict(d) for d in payload[0][rank::world]]
+    return None if payload[0] is None else [Group.from_dict(d) for d in payload[0][rank::world]]
+
+
+def _write_trained(audit: IO[str], step: int, trained: list[str],
+                   dropped: dict[str, list[str]]) -> None:
+    """trained.jsonl's row: the groups trained at `step` and those dropped since the last row."""
+    audit.write(json.dumps({"step": step, "trained": trained, "dropped": dropped}) + "\n")
 
 
 def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool:
@@ -626,6 +643,10 @@ def run_trainer(cfg: Config) -> None:
         while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, world, device):
             groups = next(batches) if batches is not None else None
             shard = share_groups(groups, rank, world, trainer._publish)
+            if shard is None:  # out of time while waiting for groups
+                if is_main:  # groups dropped meanwhile are recorded, though no step follows
+                    _write_trained(audit, trainer.step, [], trainer.source.take_dropped_ids())
+                break
             metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)
             if sharded or is_main:
                 trainer.maybe_publish()
@@ -633,9 +654,8 @@ def run_trainer(cfg: Config) -> None:
                 assert groups is not None and logger is not None and audit is not None
                 record = trainer.step_record(groups, metrics)
                 logger.log(trainer.step, record)
-                audit.write(json.dumps({"step": trainer.step,
-                                        "trained": [g.group_id for g in groups],
-                                        "dropped": trainer.source.take_dropped_ids()}) + "\n")
+                _write_trained(audit, trainer.step, [g.group_id for g in groups],
+                               trainer.source.take_dropped_ids())
             # After the step's records, which a resume from this checkpoint keeps.
             save = checkpoint_due(trainer.step) if is_main else False
             if sharded:
