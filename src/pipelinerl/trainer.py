@@ -24,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from pipelinerl.attempts import record_resume, valid_upto
-from pipelinerl.config import Config
+from pipelinerl.config import Config, TrainerConfig
 from pipelinerl.parallel import (
     GatheredWeights,
     full_state_dict,
@@ -256,11 +256,7 @@ class Trainer:
         if source is not None:
             source.idle = self.serve_rejoined
         tc = cfg.trainer
-        # Only what trains (with LoRA: the adapters), so the optimizer state is that small.
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tc.betas,
-            weight_decay=tc.weight_decay
-        )
+        self.optimizer = make_optimizer(model, tc)
         self.scheduler = make_scheduler(self.optimizer, tc)
         # The KL penalty's reference: the starting model, frozen; loaded only when used.
         self.ref_model: torch.nn.Module | None = None
@@ -454,6 +450,16 @@ def completion_stats(samples: list[Sample]) -> dict[str, float]:
         stats["turns_mean"] = sum(s.turns for s in samples) / len(samples)
         stats["env_tokens_frac"] = env_tokens / max(sum(lengths), 1)
     return stats
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainerConfig) -> torch.optim.AdamW:
+    """AdamW over what trains (with LoRA: the adapters, so its state is that small). Fused
+    (one kernel for all parameters) unless the model is sharded: on this CPU 6x faster than
+    the default for-each update (68M parameters: 0.09 s vs 0.52 s), on a GPU far fewer launches.
+    FSDP2's DTensor parameters keep the for-each update."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
+                             betas=tc.betas, weight_decay=tc.weight_decay,
+                             fused=None if is_sharded(model) else True)
 
 
 def progress_bar(cfg: Config, enabled: bool) -> tqdm:
