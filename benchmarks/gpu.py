@@ -724,11 +724,76 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- 7. the SmolLM2 training step, profiled ---------------------------------------------------
+
+# SmolLM2-135M-Instruct's layout (Llama; random weights: the profile needs no checkpoint).
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=1e5,
+               rms_norm_eps=1e-5, max_position_embeddings=2048)
+# Names of the profiler's runtime events that launch a kernel or wait for the device.
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def check_step_profile(ctx: Ctx) -> dict[str, Any]:
+    """A 32-sample SmolLM2 step as the trainer takes it (per_sequence attention, fused AdamW,
+    bf16 autocast on CUDA): ms a step, and per step the kernels launched, the host waits for the
+    device and the device-to-host reads of values (aten::_local_scalar_dense), from
+    torch.profiler; the top ops by device time go to $OUT/step_profile.txt. Aim (issue 35): a
+    step of 32 samples <= 100 ms on an H100/H200."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipelinerl.config import Config
+    from pipelinerl.rl.attention import use_per_sequence_attention
+    from pipelinerl.rl.step import rl_step
+    from pipelinerl.trainer import make_optimizer
+
+    dev, res = ctx.device, {}
+    shape = {**QUICK, "tie_word_embeddings": True} if ctx.quick else SMOLLM2
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(LlamaConfig(**shape)).train()
+    use_per_sequence_attention(model)
+    cfg = Config.model_validate({"trainer": {"batch_size": 32}, "actor": {"group_size": 8}})
+    optimizer = make_optimizer(model, cfg.trainer)
+    rng = random.Random(7)
+    batches = [make_groups(4, 8, shape["vocab_size"], rng, True) for _ in range(6)]
+    autocast = dev.type == "cuda"
+
+    def step(groups: list[Any]) -> dict[str, Any]:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            return rl_step(model, optimizer, groups, cfg, trainer_version=0)
+
+    step(batches[0])  # warm-up: allocator, kernels, Adam's state
+    times, tokens = [], 0
+    for groups in batches[1:5]:
+        seconds, metrics = timed(ctx, lambda: step(groups))
+        times.append(seconds)
+        tokens += metrics["input_tokens"]
+    res |= {"step_ms": 1e3 * statistics.median(times), "tokens_per_step": tokens / len(times),
+            "tokens_per_s": tokens / sum(times)}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(batches[5])
+        ctx.sync()
+    events = prof.key_averages()
+    count = lambda names: sum(e.count for e in events if e.key in names)  # noqa: E731
+    res |= {"kernel_launches": count(_LAUNCHES), "device_waits": count(_WAITS),
+            "value_reads": count(("aten::_local_scalar_dense",)),
+            "aten_ops": sum(e.count for e in events if e.key.startswith("aten::"))}
+    sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    (ctx.out / "step_profile.txt").write_text(events.table(sort_by=sort, row_limit=30))
+    log(f"  step profile: {res}")
+    return res
+
+
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "1": check_correctness, "2": check_engine, "3": check_pause, "4": check_trainer, "5": check_pipeline,
-    "6": check_profile,
+    "6": check_profile, "7": check_step_profile,
 }
-NAMES = {"1": "correctness", "2": "engine", "3": "pause", "4": "trainer", "5": "pipeline", "6": "engine_profile"}
+NAMES = {"1": "correctness", "2": "engine", "3": "pause", "4": "trainer", "5": "pipeline",
+         "6": "engine_profile", "7": "step_profile"}
 
 
 def main() -> None:

@@ -112,11 +112,14 @@ def test_soak_quick_samples_every_role_and_the_run_directory(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_gpu_benchmark_runs_on_the_cpu_with_any_capacities(tmp_path: Path) -> None:
     """benchmarks/gpu.py's engine check at a capacity outside its defaults (a KeyError before:
-    its workloads were drawn for the defaults only), on the CPU with --quick shapes."""
+    its workloads were drawn for the defaults only), and its training-step profile, on the CPU
+    with --quick shapes."""
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu", "--quick", "--checks", "2",
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu", "--quick", "--checks", "2,7",
          "--capacities", "12", "--no-hf", "--out", str(tmp_path)],
         check=False, capture_output=True, text=True, timeout=240,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and "FAILED" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "capacity_12" in proc.stdout and "capacity_8" not in proc.stdout
+    assert "greedy_same_tokens 1" in proc.stdout  # eager both ways on the CPU: the same tokens
+    assert "step_ms" in proc.stdout and (tmp_path / "step_profile.txt").exists()
