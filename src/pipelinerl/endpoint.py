@@ -57,8 +57,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipelinerl.engine.sampling import StopStrings
-from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams, StopStrings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -9,6 +9,13 @@ import sys
 from typing import Any
 
 
+# Environments of other libraries, named `<prefix><id>` as a task, and what builds one (an
+# import path to a callable taking the id and the task's params): tasks/ finds them here
+# without importing envs/, which builds on tasks/.
+VERIFIERS = "verifiers:"
+TASK_PREFIXES = {VERIFIERS: "pipelinerl.envs.verifiers.task:VerifiersTask"}
+
+
 def working_directory_on_path() -> None:
     """Console scripts do not put the working directory on sys.path; `python -m` does. Both
     should find a user's module sitting beside their config."""

@@ -11,7 +11,19 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from pipelinerl.engine.sampling import StopStrings
+    from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class StopStrings:
+    """vLLM's `stop`: a sequence ends once the text of its turn's tokens, decoded as they
+    come (skipping special tokens or not), holds one of `strings`; the tokens stay whole
+    (engine.sampling.StopMatcher). `tokenizer` is a `tokenizers.Tokenizer` (a fast
+    tokenizer's `backend_tokenizer`)."""
+
+    strings: tuple[str, ...]
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True)

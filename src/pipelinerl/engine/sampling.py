@@ -23,14 +23,13 @@ distribution these leave. The trainer knows only temperature, top-k and top-p.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from pipelinerl.types import StopStrings
 
 
 # Candidates taken first for top-p without top-k: a top-p set rarely needs more; a row that
@@ -106,22 +105,6 @@ def apply_repetition_penalty(logits: Tensor, tokens: Tensor, lengths: Tensor,
     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
     p = penalty.unsqueeze(1)
     return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
-
-
-@dataclass(frozen=True)
-class StopStrings:
-    """vLLM's `stop`: a sequence ends once the text of its turn's tokens, decoded as they
-    come (skipping special tokens or not), holds one of `strings`; the tokens stay whole.
-    `tokenizer` is a `tokenizers.Tokenizer` (a fast tokenizer's `backend_tokenizer`)."""
-
-    strings: tuple[str, ...]
-    tokenizer: Tokenizer
-    skip_special_tokens: bool = True
-
-    def matcher(self, context: list[int]) -> StopMatcher:
-        """A matcher for a turn that follows the tokens `context` (decoded in their light:
-        a leading space, a character split over tokens)."""
-        return StopMatcher(self, context)
 
 
 class StopMatcher:

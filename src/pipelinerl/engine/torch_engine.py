@@ -396,7 +396,7 @@ class TorchEngine:
         self._turn_start[slot] = self._len[slot]
         self._max_new[slot] = p.max_new_tokens
         self._truncates[slot] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
-        self._matchers[slot] = (p.stop.matcher(self._tokens[slot, : int(self._len[slot])].tolist())
+        self._matchers[slot] = (StopMatcher(p.stop, self._tokens[slot, : int(self._len[slot])].tolist())
                                 if p.stop else None)
         seqs = p.stop_sequences
         width = max((len(q) for q in seqs), default=0)

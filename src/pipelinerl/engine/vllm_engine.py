@@ -263,7 +263,7 @@ class VllmEngine:
     def _submit(self, seq: _Sequence) -> None:
         vllm_id = seq.request.request_id + (f"#{seq.turn}" if seq.turn else "")
         stop = seq.request.params.stop
-        seq.matcher = stop.matcher(seq.context) if stop else None
+        seq.matcher = StopMatcher(stop, seq.context) if stop else None
         self._llm.add_request(vllm_id, tokens_input(list(seq.context)), _to_vllm(seq.request.params))
         self._active[vllm_id] = seq
 

@@ -8,7 +8,7 @@ the work grows with the squares of the sequences' lengths:
 - on CUDA, where torch has it, one variable-length flash attention call per layer
   (`torch.nn.attention.varlen.varlen_attn`) over the batch's `cu_seqlens`;
 - elsewhere, one causal SDPA per sequence over its segment of the row (split in one op).
-The packer gives the sequences' lengths (`sequence_kwargs`), so neither path reads
+The packer gives the sequences' lengths (`PackedBatch.attention_kwargs`), so neither path reads
 position_ids back from the device; without them (a caller that did not pack) the segments are
 found from position_ids once per forward. It is registered with transformers'
 `AttentionInterface` under `per_sequence`; its mask function builds no mask for packed rows
@@ -19,7 +19,7 @@ goes to transformers' own sdpa function unchanged.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +28,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from pipelinerl.config import TrainerConfig
-
-if TYPE_CHECKING:
-    from pipelinerl.rl.packing import PackedBatch
 
 NAME = "per_sequence"
 
@@ -62,15 +59,6 @@ def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
         rows.append(list(zip(begin, begin[1:] + [length])))
     _last = (position_ids, position_ids._version, rows)
     return rows
-
-
-def sequence_kwargs(batch: PackedBatch) -> dict[str, Any]:
-    """What the model's forward passes on to this attention: the packed sequences' lengths
-    (host ints), their cu_seqlens (on the batch's device) and the longest; {} for padded rows."""
-    if batch.sequence_lengths is None:
-        return {}
-    return {"sequence_lengths": batch.sequence_lengths, "cu_seqlens": batch.cu_seqlens,
-            "max_seqlen": max(n for row in batch.sequence_lengths for n in row)}
 
 
 def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,

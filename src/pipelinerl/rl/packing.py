@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from pipelinerl.engine.sampling import truncation_threshold
-from pipelinerl.rl.attention import sequence_kwargs
 from pipelinerl.types import Sample
 
 # Elements of fp32 logits materialised at once when turning logits into log-probs (256 MB).
@@ -76,6 +75,14 @@ class PackedBatch:
     def num_input_tokens(self) -> int:
         """Grid cells the model computes, padding included (throughput accounting)."""
         return self.input_ids.numel()
+
+    def attention_kwargs(self) -> dict[str, Any]:
+        """What the model's forward passes on to `per_sequence` attention (rl.attention): the
+        packed sequences' lengths (host ints), their cu_seqlens and the longest; {} when padded."""
+        if self.sequence_lengths is None:
+            return {}
+        return {"sequence_lengths": self.sequence_lengths, "cu_seqlens": self.cu_seqlens,
+                "max_seqlen": max(n for row in self.sequence_lengths for n in row)}
 
     def to(self, device: torch.device | str) -> PackedBatch:
         moved = {
@@ -371,7 +378,7 @@ def score_tokens(
         position_ids=batch.position_ids,
         use_cache=False,  # a cache disables packed-sequence masking (module docstring)
         logits_to_keep=batch.logit_cols,
-        **sequence_kwargs(batch),
+        **batch.attention_kwargs(),
     )
     logits = out.logits  # (R, C, vocab)
     vocab = logits.shape[-1]

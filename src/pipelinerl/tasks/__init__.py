@@ -10,9 +10,8 @@ import random
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from pipelinerl.envs.verifiers.loading import PREFIX as VERIFIERS
+from pipelinerl.plugins import TASK_PREFIXES, import_object
 from pipelinerl.tasks.environment import check_environment, is_environment
-from pipelinerl.plugins import import_object
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 from pipelinerl.tasks.calculator import CalculatorTask
 from pipelinerl.tasks.base import Problem, Score, Task
@@ -100,8 +99,9 @@ def check_task(task: Any, name: str) -> None:
 def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
     """Build the task `name` names (see `task_class`); an unknown name, an import that fails,
     unknown or missing params and bad values fail with the task and the param named."""
-    if name.startswith(VERIFIERS):
-        task = _verifiers_task(name, dict(params or {}))
+    prefix = next((p for p in TASK_PREFIXES if name.startswith(p)), None)
+    if prefix is not None:
+        task = _environment_task(name, prefix, dict(params or {}))
         check_task(task, name)
         return task
     cls = task_class(name)
@@ -128,15 +128,15 @@ def make_task(name: str, params: dict[str, Any] | None = None) -> Task:
     return task
 
 
-def _verifiers_task(name: str, params: dict[str, Any]) -> Task:
-    """`verifiers:<taskset id>`: an environment written for verifiers (docs/environments.md)."""
-    from pipelinerl.envs.verifiers.task import VerifiersTask
-
-    taskset_id = name[len(VERIFIERS):]
-    if not taskset_id:
-        raise ValueError(f"task {name!r}: name the environment, verifiers:<taskset id>")
+def _environment_task(name: str, prefix: str, params: dict[str, Any]) -> Task:
+    """`<prefix><id>`: an environment written for another library (`plugins.TASK_PREFIXES`;
+    `verifiers:<taskset id>`, docs/environments.md)."""
+    env_id = name[len(prefix):]
+    if not env_id:
+        raise ValueError(f"task {name!r}: name the environment, {prefix}<id>")
+    build = import_object(TASK_PREFIXES[prefix], f"task {name!r}")
     try:
-        return VerifiersTask(taskset_id, params)
+        return build(env_id, params)
     except (ValueError, TypeError) as e:
         raise ValueError(f"task {name!r}: {e}") from e
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
+from pipelinerl.plugins import VERIFIERS as PREFIX
 from pipelinerl.plugins import working_directory_on_path
 
-PREFIX = "verifiers:"
 HARNESS_ID = "pipelinerl-chat"  # imported by verifiers as the top-level module below
 _HARNESS_MODULE = "pipelinerl_chat"
 TASK_SAMPLE = 64  # tasks whose data is checked for containers and network policies
