@@ -73,7 +73,6 @@ class GraphRunner:
         self._positions = torch.full((capacity,), max_seq_len, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.captures = 0
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, attend_len: int) -> torch.Tensor:
         n = input_ids.shape[0]
@@ -110,5 +109,4 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._forward(batch, span)
-        self.captures += 1
         return graph, out

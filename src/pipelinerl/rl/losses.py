@@ -161,7 +161,8 @@ class LossStats:
     by_length: Tensor | None = None
     lags: list[Tensor] = field(default_factory=list)  # per micro-batch, each token's lag
 
-    def _on(self, device: torch.device) -> None:
+    def allocate(self, device: torch.device) -> None:
+        """Zero sums on `device`, unless already there (a rank with no token reduces them too)."""
         if self.sums is None:
             self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
             self.by_length = torch.zeros(len(LENGTH_LABELS), _BIN_FIELDS, dtype=torch.float64,
@@ -169,7 +170,7 @@ class LossStats:
 
     def count_sequences(self, bins: Tensor) -> None:
         """Add sequences of the given length bins (`length_bins`)."""
-        self._on(bins.device)
+        self.allocate(bins.device)
         self.by_length[:, 0] += torch.bincount(bins, minlength=len(LENGTH_LABELS))
 
     @torch.no_grad()
@@ -201,7 +202,7 @@ class LossStats:
         (`rl.packing.score_tokens`); the `entropy` metric is absent when never given.
         """
         new, old, ver = new_logprobs.detach().double(), old_logprobs.double(), versions
-        self._on(new.device)
+        self.allocate(new.device)
         keep = torch.ones_like(new, dtype=torch.bool) if mask is None else mask
         ctx = ver if context_versions is None else context_versions
         log_ratio = new - old

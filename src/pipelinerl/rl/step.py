@@ -308,7 +308,7 @@ def _reduce(stats: LossStats, totals: dict[str, float], device: torch.device
             ) -> tuple[LossStats, dict[str, float]]:
     """Sum the step's statistics over ranks, the lag histogram bin by bin."""
     keys = list(totals)
-    stats._on(device)
+    stats.allocate(device)
     summed = torch.cat([stats.sums.to(device),
                         torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=device)])
     dist.all_reduce(summed)
