@@ -326,6 +326,52 @@ def test_shm_seqlock_puts_barriers_between_header_and_data_fake_fence(monkeypatc
         sender.close()
 
 
+def test_shm_publish_from_a_gpu_returns_before_the_copies_land_fake_device_event(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a GPU the sender enqueues its copies and returns; readers see the version only once
+    they have landed, and the next publish (or close) waits for that. No CUDA here: host
+    tensors stand in for the device's and a gate stands in for its copy-done event."""
+    run_id = _run_id()
+    sender, receiver = ShmWeightSender(run_id), ShmWeightReceiver(run_id, timeout_s=5)
+    gate = threading.Event()
+    monkeypatch.setattr(shm_mod, "_landing", lambda on_gpu: gate.wait)
+    targets = _targets(torch.float32)
+    try:
+        sender.publish(_weights(1), 1)  # returns with the copies "in flight"
+        time.sleep(0.05)
+        assert receiver.poll() is None  # seq still odd: nothing to load yet
+        gate.set()
+        sender.settle()
+        assert receiver.poll() == 1 and receiver.receive_into(targets) == 1
+        _assert_same(targets, 1)
+
+        gate.clear()
+        sender.publish(_weights(2), 2)
+        published_3 = threading.Thread(target=sender.publish, args=(_weights(3), 3))
+        published_3.start()  # waits for version 2 to land before it writes anything
+        time.sleep(0.05)
+        assert published_3.is_alive() and receiver.poll() is None
+        gate.set()
+        published_3.join(5)
+        sender.settle()
+        assert receiver.receive_into(targets) == 3
+        _assert_same(targets, 3)
+
+        def device_error() -> None:
+            raise RuntimeError("an illegal memory access")
+
+        monkeypatch.setattr(shm_mod, "_landing", lambda on_gpu: device_error)
+        sender.publish(_weights(4), 4)
+        with pytest.raises(RuntimeError, match="publishing weights to .* failed") as failed:
+            sender.settle()
+        assert "illegal memory access" in str(failed.value.__cause__)
+        assert receiver.poll() is None  # the torn version 4 is never offered
+    finally:
+        receiver.close()
+        sender.close()
+    assert not shm_path(run_id).exists()
+
+
 def test_factory() -> None:
     with pytest.raises(ValueError, match=r"known: \['broadcast', 'shm'\]"):
         make_sender("carrier-pigeon")

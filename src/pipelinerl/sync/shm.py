@@ -25,6 +25,12 @@ before `copy_` returns, and a barrier is cumulative, so it orders their accesses
 libatomic, x86-64 runs without barriers (TSO suffices: Python calls are opaque to the C
 compiler, so nothing reorders them either); other CPUs refuse to open the channel.
 
+From a GPU the copies go straight into the page-locked file as DMA (`non_blocking`), in the
+device's stream order (a later optimizer step cannot overwrite a weight before it is copied),
+and `publish` returns once they are enqueued: a thread waits for them to land and then makes
+`seq` even, so the trainer's next step is not held up by the transfer. `publish` and `close`
+first wait for the previous publish to be visible.
+
 The sender builds the file under a temporary name and renames it into place, so a reader sees
 either no file or a complete one; a crashed run leaves its file behind and the next sender with
 the same run id replaces it (readers notice the new inode, remap, and follow the new trainer's
@@ -46,6 +52,7 @@ import mmap
 import os
 import platform
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -139,8 +146,10 @@ class ShmWeightSender:
         self._page_lock = _PageLock(read_only=False)
         self._inode: tuple[int, int] | None = None
         self._version: int | None = None
-        self.last_transfer_s = 0.0
+        self.last_transfer_s = 0.0  # the last visible publish: from its start until readers see it
         self._fd: int | None = None  # open while the file is ours: it holds the flock
+        self._landing: threading.Thread | None = None  # finishes a publish from a GPU
+        self._landing_error: BaseException | None = None
         _reclaim_stale(self.path)
 
     def _create(self, layout: WeightLayout) -> None:
@@ -178,6 +187,7 @@ class ShmWeightSender:
         self._inode = (st.st_dev, st.st_ino)
 
     def publish(self, weights: Weights, version: int) -> None:
+        self.settle()
         if self._version is not None and version <= self._version:
             raise ValueError(f"version {version} is not newer than {self._version}")
         t0 = time.perf_counter()
@@ -194,17 +204,50 @@ class ShmWeightSender:
         header[_VERSION_I] = version
         with torch.no_grad():
             for view, src in zip(self._views, sources, strict=True):
-                view.copy_(src)
+                view.copy_(src, non_blocking=on_gpu)
+        wait = _landing(on_gpu)
+        if wait is None:
+            self._make_visible(seq + 2, version, t0)
+            return
+        self._landing = threading.Thread(target=self._land, args=(wait, seq + 2, version, t0),
+                                         name="shm-publish", daemon=True)
+        self._landing.start()
+
+    def _land(self, wait: Callable[[], None], seq: int, version: int, t0: float) -> None:
+        try:
+            wait()
+            self._make_visible(seq, version, t0)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the trainer's thread
+            self._landing_error = exc
+
+    def _make_visible(self, seq: int, version: int, t0: float) -> None:
+        assert self._header is not None
         _fence()  # all new data is visible before the even seq
-        header[_SEQ_I] = seq + 2
+        self._header[_SEQ_I] = seq
         self._version = version
         self.last_transfer_s = time.perf_counter() - t0
         logger.debug("published weights version %d to %s in %.1f ms", version, self.path,
                      1e3 * self.last_transfer_s)
 
+    def settle(self) -> None:
+        """Wait until the last publish is visible to readers; raise what stopped it."""
+        if self._landing is not None:
+            self._landing.join()
+            self._landing = None
+        if self._landing_error is not None:
+            error, self._landing_error = self._landing_error, None
+            raise RuntimeError(f"publishing weights to {self.path} failed") from error
+
     def close(self) -> None:
         if self._mm is None:
             return
+        try:
+            self.settle()
+        finally:
+            self._unmap_and_unlink()
+
+    def _unmap_and_unlink(self) -> None:
+        assert self._mm is not None
         self._page_lock.release()
         self._views, self._header, self._data = [], None, None  # release the buffer exports
         self._mm.close()
@@ -219,6 +262,16 @@ class ShmWeightSender:
         if self._fd is not None:
             os.close(self._fd)  # releases the flock, after the unlink
             self._fd = None
+
+
+def _landing(on_gpu: bool) -> Callable[[], None] | None:
+    """A wait for the device-to-host copies just enqueued to land; None when the sources were
+    on the host (the copies are done)."""
+    if not on_gpu:
+        return None
+    done = torch.cuda.Event()
+    done.record()
+    return done.synchronize
 
 
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the actors' mapping is PROT_READ
