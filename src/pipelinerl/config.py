@@ -210,6 +210,11 @@ class TrainerConfig(_Section):
     threads: int = Field(default=1, gt=0, description="torch threads for each trainer process")
     num_procs: int = Field(default=1, gt=0, description="trainer ranks on this machine (torchrun)")
     device: str = "cpu"
+    # The forward and backward's arithmetic. float32: exact. tf32: CUDA matmuls with TF32 inputs.
+    # bfloat16: autocast over float32 weights and AdamW state; on this CPU (AVX512-BF16) 1.47x
+    # the float32 tokens/s of SmolLM2, at a mean 0.026 nats of trainer-vs-engine log-prob gap a
+    # token, ESS 0.9985 from that alone (benchmarks/RESULTS.md "real_model").
+    precision: Literal["float32", "tf32", "bfloat16"] = "float32"
     # ddp: every rank a whole replica; fsdp2: sharded over the ranks (docs/scaling.md).
     strategy: Literal["ddp", "fsdp2"] = "ddp"
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
@@ -359,6 +364,10 @@ class Config(_Section):
         if self.trainer.fsdp.cpu_offload and not self.trainer.device.startswith("cuda"):
             raise ValueError("trainer.fsdp.cpu_offload=true needs a CUDA trainer.device: on "
                              f"{self.trainer.device!r} the weights are in host memory already")
+        if self.trainer.precision == "tf32" and not self.trainer.device.startswith("cuda"):
+            raise ValueError(f"trainer.precision=tf32 needs a CUDA trainer.device (TF32 is a "
+                             f"tensor-core format), not {self.trainer.device!r}: use float32 "
+                             "or bfloat16")
         if self.eval.enabled and self.task.heldout_frac == 0:
             raise ValueError("eval.enabled=true needs task.heldout_frac > 0: evaluation draws "
                              "only problems that training never sees")

@@ -51,7 +51,31 @@ def rl_step(
     gradients are then all-reduced once, on the last micro-batch. `ref_model`: the frozen
     reference of `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics:
     loss, grad norm, and `LossStats` (ESS, lag, mismatch) over every trained token of every rank.
+    The forward and backward run in `trainer.precision`.
     """
+    with arithmetic(cfg.trainer.precision, next(model.parameters()).device):
+        return _step(model, optimizer, groups, cfg, trainer_version, num_sequences, ref_model)
+
+
+@contextlib.contextmanager
+def arithmetic(precision: str, device: torch.device) -> Iterator[None]:
+    """`trainer.precision`: bfloat16 autocast (weights, gradients and AdamW stay float32), TF32
+    CUDA matmuls, or plain float32."""
+    if precision == "tf32":
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")  # TF32 on CUDA's tensor cores
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+        return
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+        yield
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[Group],
+          cfg: Config, trainer_version: int, num_sequences: int | None,
+          ref_model: torch.nn.Module | None) -> dict[str, Any]:
     tc = cfg.trainer
     loss_cfg = tc.loss
     if loss_cfg.kl_coef > 0 and ref_model is None:
