@@ -32,11 +32,12 @@ from engine import Workload, run_engine
 from real_model import make_workload
 
 from pipelinerl.endpoint import GenerateEndpoint
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 
 
 def _engine(path: Path, capacity: int, max_seq_len: int) -> TorchEngine:
-    return TorchEngine.from_pretrained(path, capacity=capacity, max_seq_len=max_seq_len, seed=0)
+    return TorchEngine.from_pretrained(path, EngineOptions(capacity=capacity, max_seq_len=max_seq_len))
 
 
 def run_endpoint(engine: TorchEngine, wl: Workload, model: str) -> tuple[float, int]:

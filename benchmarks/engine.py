@@ -214,6 +214,7 @@ def update_pause(engine: Any, trainer: Any, wl: Workload, reps: int, shm_dir: st
 
 def vllm_only(spec_path: str) -> None:
     """Child mode under the vLLM interpreter: run the workload through VllmEngine, print JSON."""
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.vllm_engine import VllmEngine
 
     spec = json.loads(Path(spec_path).read_text())
@@ -222,7 +223,7 @@ def vllm_only(spec_path: str) -> None:
     for name, model_dir in spec["models"].items():
         t0 = time.perf_counter()
         engine = VllmEngine.from_pretrained(
-            model_dir, capacity=spec["capacity"], max_seq_len=wl.max_seq_len, dtype="float32"
+            model_dir, EngineOptions(capacity=spec["capacity"], max_seq_len=wl.max_seq_len)
         )
         build_s = time.perf_counter() - t0
         run_engine(engine, Workload(wl.prompts[: spec["capacity"]], wl.max_new[: spec["capacity"]]))  # warm-up
@@ -259,6 +260,7 @@ def profile_top(fn: Callable[[], object], k: int) -> list[tuple[str, float]]:
 
 def bench_preset(preset: str, tokenizer: Any, wl: Workload, capacity: int, reps: int,
                  pause_reps: int, shm_dir: str, profile: bool) -> tuple[Any, dict[str, Any]]:
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.tiny import init_tiny_model
 
@@ -268,7 +270,7 @@ def bench_preset(preset: str, tokenizer: Any, wl: Workload, capacity: int, reps:
     # the model's.
     model.generation_config.eos_token_id = None
     pad = tokenizer.pad_token_id
-    engine = TorchEngine(model.config, capacity=capacity, max_seq_len=wl.max_seq_len)
+    engine = TorchEngine(model.config, EngineOptions(capacity=capacity, max_seq_len=wl.max_seq_len))
     engine.load_weights(model.state_dict(), version=0)
     warm = Workload(wl.prompts[:capacity], [8] * capacity)
     run_engine(engine, warm)

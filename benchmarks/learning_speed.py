@@ -274,12 +274,13 @@ def engine_rates(cfg: Config, model_path: str, threads: tuple[int, ...], n_promp
     import torch
     from engine import Workload, make_workload, run_engine
 
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.hf import load_tokenizer
 
     wl = make_workload(load_tokenizer(model_path), n_prompts)
-    engine = TorchEngine.from_pretrained(model_path, capacity=cfg.engine.capacity,
-                                         max_seq_len=cfg.engine.max_seq_len)
+    engine = TorchEngine.from_pretrained(model_path, EngineOptions(
+        capacity=cfg.engine.capacity, max_seq_len=cfg.engine.max_seq_len))
     run_engine(engine, Workload(wl.prompts[:engine.capacity], [8] * engine.capacity))  # warm-up
     rates: dict[int, list[float]] = {t: [] for t in threads}
     for _ in range(reps):  # interleaved, so a change of load hits every thread count alike

@@ -86,11 +86,12 @@ def matmul_seconds(config: Any, dtype: torch.dtype, m: int, reps: int = 5) -> tu
 
 def engine_vs_hf(path: Path, wl: Workload, dtype: torch.dtype, capacity: int, reps: int
                  ) -> dict[str, Any]:
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.hf import load_model
 
-    engine = TorchEngine.from_pretrained(path, capacity=capacity, max_seq_len=wl.max_seq_len,
-                                         dtype=dtype)
+    engine = TorchEngine.from_pretrained(path, EngineOptions(
+        capacity=capacity, max_seq_len=wl.max_seq_len, dtype=str(dtype).removeprefix("torch.")))
     model = load_model(path, dtype=dtype)
     model.generation_config.eos_token_id = None  # lengths are imposed
     warm = Workload(wl.prompts[:capacity], [4] * capacity)

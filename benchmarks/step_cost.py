@@ -49,6 +49,7 @@ QUICK = {"sizes": [1, 8, 64], "steps": 5, "reps": 1}
 
 def make_engine() -> tuple[object, list[list[int]]]:
     """The torch engine on the starting model, and long_chains prompts for it."""
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.hf import encode_prompt, load_tokenizer
     from pipelinerl.tasks.progression import ProgressionTask
@@ -57,7 +58,7 @@ def make_engine() -> tuple[object, list[list[int]]]:
     task, rng = ProgressionTask(max_steps=60), random.Random(0)
     prompts = [encode_prompt(tokenizer, task.sample_problem(rng).prompt) for _ in range(CAPACITY)]
     max_seq = max(map(len, prompts)) + WARM_STEPS + STEPS + 2
-    return TorchEngine.from_pretrained(MODEL, capacity=CAPACITY, max_seq_len=max_seq), prompts
+    return TorchEngine.from_pretrained(MODEL, EngineOptions(capacity=CAPACITY, max_seq_len=max_seq)), prompts
 
 
 def step_cost_ms(engine: object, prompts: list[list[int]], n: int, steps: int) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pipelinerl.engine.runner import EagerRunner, GraphRunner, bucket_of, buckets
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.decoder import CausalDecoder, KVCache
 from tiny_models import smollm2_layout
@@ -67,7 +68,7 @@ def test_weight_updates_write_into_the_tensors_a_captured_graph_reads() -> None:
     """A graph replays the parameters' (and fused projections') storage as captured: a new
     version must be copied into it, never put in new tensors."""
     hf = smollm2_layout(2)
-    engine = TorchEngine(hf.config, capacity=CAPACITY, max_seq_len=MAX_LEN)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=CAPACITY, max_seq_len=MAX_LEN))
     model = engine.model
     storage = {name: p.data_ptr() for name, p in model.named_parameters()}
     fused = [f.weight.data_ptr() for layer in model.model.layers
@@ -85,6 +86,6 @@ def test_weight_updates_write_into_the_tensors_a_captured_graph_reads() -> None:
 
 
 def test_the_cpu_engine_decodes_eagerly_and_needs_no_scratch() -> None:
-    engine = TorchEngine(smollm2_layout(2).config, capacity=CAPACITY, max_seq_len=MAX_LEN)
+    engine = TorchEngine(smollm2_layout(2).config, EngineOptions(capacity=CAPACITY, max_seq_len=MAX_LEN))
     assert isinstance(engine._runner, EagerRunner)
     assert engine._cache.k[0].shape[2] == MAX_LEN

@@ -19,6 +19,7 @@ from tiny_models import VOCAB, tiny_hf_model
 
 from pipelinerl.actor import Schedule
 from pipelinerl.endpoint import GenerateEndpoint
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.types import GenerationOutput
 
@@ -74,7 +75,7 @@ class _Driver:
 def served() -> Iterator[tuple[torch.nn.Module, TorchEngine, GenerateEndpoint, _Driver]]:
     torch.manual_seed(0)
     hf = tiny_hf_model("qwen2")
-    engine = TorchEngine(hf.config, capacity=4, max_seq_len=MAX_LEN, seed=1)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=4, max_seq_len=MAX_LEN, seed=1))
     engine.load_weights(hf.state_dict(), version=0)
     endpoint = _endpoint()
     driver = _Driver(engine, endpoint)
@@ -157,7 +158,7 @@ def test_a_full_queue_answers_503_and_a_closing_actor_answers_the_waiting() -> N
 
 def test_endpoint_requests_join_the_actors_batch_while_it_trains_groups() -> None:
     hf = tiny_hf_model("qwen2")
-    engine = TorchEngine(hf.config, capacity=8, max_seq_len=MAX_LEN, seed=1)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=8, max_seq_len=MAX_LEN, seed=1))
     engine.load_weights(hf.state_dict(), version=0)
     endpoint = _endpoint()
     writer = ListWriter()
@@ -273,7 +274,7 @@ def test_a_client_gone_while_its_request_decodes_is_aborted_in_the_engine() -> N
     """An episode past its deadline drops its HTTP request: the engine stops decoding it
     (its slot frees) instead of running it to max_tokens for no one."""
     hf = tiny_hf_model("qwen2")
-    engine = TorchEngine(hf.config, capacity=4, max_seq_len=MAX_LEN, seed=1)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=4, max_seq_len=MAX_LEN, seed=1))
     engine.load_weights(hf.state_dict(), version=0)
     endpoint = _endpoint()
     try:
@@ -300,7 +301,7 @@ class _SlowEngine(TorchEngine):
 
 def test_an_actor_aborts_a_request_whose_client_went_away_and_keeps_its_count() -> None:
     hf = tiny_hf_model("qwen2")
-    engine = _SlowEngine(hf.config, capacity=8, max_seq_len=MAX_LEN, seed=1)
+    engine = _SlowEngine(hf.config, EngineOptions(capacity=8, max_seq_len=MAX_LEN, seed=1))
     engine.load_weights(hf.state_dict(), version=0)
     endpoint = _endpoint()
     done = threading.Event()

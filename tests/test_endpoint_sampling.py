@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
 from pipelinerl.actor import Schedule, open_endpoint
 from pipelinerl.config import ActorConfig, Config
 from pipelinerl.endpoint import GenerateEndpoint
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.tiny import build_char_tokenizer
 from pipelinerl.types import GenerationRequest, SamplingParams
@@ -45,7 +46,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFa
 
 
 def _engine(hf: torch.nn.Module) -> TorchEngine:
-    engine = TorchEngine(hf.config, capacity=4, max_seq_len=MAX_LEN, seed=1)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=4, max_seq_len=MAX_LEN, seed=1))
     engine.load_weights(hf.state_dict(), version=0)
     return engine
 

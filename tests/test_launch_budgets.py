@@ -15,6 +15,7 @@ import torch
 
 from launch_counts import HostSyncs, Kernels
 from pipelinerl.config import load_config
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.step import rl_step
@@ -73,7 +74,7 @@ def test_a_training_step_stays_within_its_kernel_and_sync_budgets(layers: int,
 
 def _decode_step_counts(layers: int, running: int) -> tuple[Kernels, HostSyncs]:
     hf = smollm2_layout(layers)
-    engine = TorchEngine(hf.config, capacity=8, max_seq_len=128)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=8, max_seq_len=128))
     engine.load_weights(hf.state_dict(), version=0)
     for i in range(running):
         engine.add_request(GenerationRequest(f"r{i}", [1 + i, 2, 3, 4, 5],

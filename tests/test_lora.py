@@ -16,6 +16,7 @@ from tiny_models import VOCAB, tiny_hf_model
 
 from pipelinerl.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl.config import LoraSettings, load_config
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.lora import apply_lora, merged_model, merged_weights
@@ -71,7 +72,7 @@ def test_merged_weights_are_peft_merge_under_the_base_names() -> None:
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_engine_on_merged_weights_samples_the_trainers_policy(arch: str) -> None:
     model = _lora_model(arch)
-    engine = TorchEngine(tiny_hf_model(arch).config, capacity=4, max_seq_len=64)
+    engine = TorchEngine(tiny_hf_model(arch).config, EngineOptions(capacity=4, max_seq_len=64))
     engine.load_weights(merged_weights(model), version=1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (3 + i,), generator=gen).tolist() for i in range(4)]

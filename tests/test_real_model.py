@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from pipelinerl.config import load_config
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import PromptEncoder, prompt_format
@@ -53,8 +54,8 @@ def encoder(smollm2: Path) -> PromptEncoder:
                                        smollm2)[2])
 
 
-def engine(path: Path, capacity: int = 4, **kwargs: object) -> TorchEngine:
-    return TorchEngine.from_pretrained(path, capacity=capacity, max_seq_len=160, seed=3, **kwargs)
+def engine(path: Path, capacity: int = 4) -> TorchEngine:
+    return TorchEngine.from_pretrained(path, EngineOptions(capacity=capacity, max_seq_len=160, seed=3))
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
 from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
 from pipelinerl.engine import sampling
 from pipelinerl.engine.sampling import truncation_threshold
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine, sample_tokens
 from pipelinerl.rl.packing import pack, pad, token_logprobs
 from pipelinerl.rl.step import rl_step
@@ -53,7 +54,7 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
 def generate_groups(model: Qwen2ForCausalLM, top_k: int, top_p: float) -> list[Group]:
     """Groups of GROUP samples per prompt from the real torch engine holding `model`'s weights
     (version 0), each token with its engine log-prob."""
-    engine = TorchEngine(model.config, capacity=8, max_seq_len=48, seed=1)
+    engine = TorchEngine(model.config, EngineOptions(capacity=8, max_seq_len=48, seed=1))
     engine.load_weights(model.state_dict(), version=0)
     params = SamplingParams(max_new_tokens=16, temperature=TEMPERATURE, top_k=top_k, top_p=top_p)
     g = torch.Generator().manual_seed(2)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.decoder import KVCache
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
@@ -21,7 +22,7 @@ from tiny_models import ARCHS, VOCAB, tiny_hf_model  # noqa: E402
 
 
 def make_engine(hf: torch.nn.Module, **kwargs: Any) -> TorchEngine:
-    engine = TorchEngine(hf.config, **{"capacity": 4, "max_seq_len": 64, **kwargs})
+    engine = TorchEngine(hf.config, EngineOptions(**{"capacity": 4, "max_seq_len": 64, **kwargs}))
     engine.load_weights(hf.state_dict(), version=0)
     return engine
 
@@ -366,12 +367,12 @@ def test_sliding_window_shorter_than_max_seq_len_is_refused_at_start() -> None:
 def test_from_pretrained(tmp_path: Path) -> None:
     hf = tiny_hf_model("qwen2")
     hf.save_pretrained(tmp_path / "model")
-    engine = TorchEngine.from_pretrained(tmp_path / "model", capacity=2, max_seq_len=32)
+    engine = TorchEngine.from_pretrained(tmp_path / "model", EngineOptions(capacity=2, max_seq_len=32))
     p = prompts(1)[0]
     engine.add_request(GenerationRequest("r", p, greedy(8)))
     assert run_to_end(engine)["r"].token_ids == hf_greedy(hf, p, 8)
     with pytest.raises(FileNotFoundError, match="missing-model"):
-        TorchEngine.from_pretrained(tmp_path / "missing-model", capacity=2, max_seq_len=32)
+        TorchEngine.from_pretrained(tmp_path / "missing-model", EngineOptions(capacity=2, max_seq_len=32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from pipelinerl.engine import EngineOptions  # noqa: E402
 from pipelinerl.engine.vllm_engine import VllmEngine  # noqa: E402
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 
@@ -63,7 +64,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Qwen2For
 @pytest.fixture(scope="module")
 def engine(models: dict[str, tuple[Qwen2ForCausalLM, Path]]) -> VllmEngine:
     eng = VllmEngine.from_pretrained(
-        models["a"][1], capacity=8, max_seq_len=MAX_SEQ_LEN, dtype=torch.float32, seed=0
+        models["a"][1], EngineOptions(capacity=8, max_seq_len=MAX_SEQ_LEN)
     )
     yield eng
     eng.close()
@@ -270,7 +271,7 @@ def test_bad_weights_are_refused_before_reaching_vllm(engine_a: VllmEngine, mode
 def test_managed_engine_args_are_refused(models) -> None:
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         VllmEngine.from_pretrained(
-            models["a"][1], capacity=2, max_seq_len=32, enable_prefix_caching=True
+            models["a"][1], EngineOptions(capacity=2, max_seq_len=32), enable_prefix_caching=True
         )
 
 
@@ -337,7 +338,7 @@ def test_recompute_kv_on_update(engine: VllmEngine, models) -> None:
     """With recompute, the tokens after an update are pure model B given the tokens so far."""
     engine.close()  # one in-process engine at a time; this is the module's last test
     eng = VllmEngine.from_pretrained(
-        models["a"][1], capacity=8, max_seq_len=MAX_SEQ_LEN, recompute_kv_on_update=True
+        models["a"][1], EngineOptions(capacity=8, max_seq_len=MAX_SEQ_LEN, recompute_kv_on_update=True)
     )
     hf_b = models["b"][0]
     n, k = 16, 5

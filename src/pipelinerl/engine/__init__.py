@@ -2,38 +2,24 @@
 
 from __future__ import annotations
 
-import torch
+from dataclasses import fields
 
 from pipelinerl.config import EngineConfig
-from pipelinerl.engine.base import Engine
+from pipelinerl.engine.base import Engine, EngineOptions, torch_dtype
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["Engine", "EngineOptions", "make_engine", "torch_dtype"]
 
 
 def make_engine(cfg: EngineConfig, model_path: str, seed: int = 0) -> Engine:
-    dtype = _DTYPES[cfg.dtype]
+    # Every option the config section names, by the same name; the others keep their defaults.
+    options = EngineOptions(seed=seed, **{f.name: getattr(cfg, f.name) for f in fields(EngineOptions)
+                                          if f.name in type(cfg).model_fields})
     if cfg.backend == "torch":
         from pipelinerl.engine.torch_engine import TorchEngine
 
-        return TorchEngine.from_pretrained(
-            model_path,
-            capacity=cfg.capacity,
-            max_seq_len=cfg.max_seq_len,
-            device=cfg.device,
-            dtype=dtype,
-            recompute_kv_on_update=cfg.recompute_kv_on_update,
-            seed=seed,
-            cuda_graphs=cfg.cuda_graphs,
-        )
+        return TorchEngine.from_pretrained(model_path, options)
     if cfg.backend == "vllm":
         from pipelinerl.engine.vllm_engine import VllmEngine
 
-        return VllmEngine.from_pretrained(
-            model_path,
-            capacity=cfg.capacity,
-            max_seq_len=cfg.max_seq_len,
-            dtype=dtype,
-            seed=seed,
-            recompute_kv_on_update=cfg.recompute_kv_on_update,
-        )
+        return VllmEngine.from_pretrained(model_path, options)
     raise ValueError(f"engine.backend: unknown backend {cfg.backend!r} (known: torch, vllm)")

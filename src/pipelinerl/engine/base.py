@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping, Protocol
 
 import torch
 
@@ -10,6 +11,29 @@ from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 # A weight receiver's `receive_into`: copy weights into the given tensors, return the version.
 ReceiveFn = Callable[[Mapping[str, torch.Tensor]], int]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an `engine.dtype` name ("float32", "bfloat16", "float16")."""
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """An engine's construction options, passed whole to every backend (the vLLM backend
+    ignores `device`, `max_prefill_tokens` and `cuda_graphs`). `make_engine` fills them from
+    the `engine` config section; tests state only what they change."""
+
+    capacity: int  # sequences in flight
+    max_seq_len: int  # prompt plus generated tokens, all turns
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    recompute_kv_on_update: bool = False
+    seed: int = 0
+    max_prefill_tokens: int = 8192  # padded tokens of one prefill forward (torch engine)
+    cuda_graphs: bool = True  # replay the torch engine's decode step from CUDA graphs on CUDA
 
 
 class Engine(Protocol):

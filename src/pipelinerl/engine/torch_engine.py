@@ -1,12 +1,12 @@
 """The `torch` engine: continuous batching over our hand-written decoder, CPU or CUDA.
 
-Active sequences live packed in cache slots 0..n-1; a finished sequence's slot is refilled by
-swapping the last active one into it, so each decode step is one batched forward over exactly
-the active sequences. All per-token state (tokens, log-probs, versions, sampling parameters)
-sits in per-slot tensors on the device; the hot loop touches Python per sequence only when one
-finishes.
+Running sequences live packed in slots 0..num_running-1; a finished sequence's slot is refilled
+by swapping the last running one into it, so each decode step is one batched forward over
+exactly the running sequences. All per-token state (tokens, log-probs, versions, sampling
+parameters) sits in per-slot tensors on the device; the hot loop touches Python per sequence
+only when one finishes.
 
-Multi-turn (held requests): a sequence whose turn ends is parked in a slot beyond the active
+Multi-turn (held requests): a sequence whose turn ends is parked in a slot beyond the running
 ones with its KV cache, decoded no more, until `extend` appends the environment's tokens (a
 prefill of only those, attending to the cache) and generation resumes, or `release` frees it.
 A weight update may land while it waits: its cache is then kept, or, with
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, truncation_threshold
-from pipelinerl.engine.base import ReceiveFn
+from pipelinerl.engine.base import EngineOptions, ReceiveFn, torch_dtype
 from pipelinerl.engine.runner import EagerRunner, GraphRunner
+from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, truncation_threshold
 from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -87,53 +87,42 @@ def sample_tokens(
 class TorchEngine:
     """Continuous-batching generation engine implementing `pipelinerl.engine.base.Engine`."""
 
-    def __init__(
-        self,
-        model: CausalDecoder | PretrainedConfig,
-        *,
-        capacity: int,
-        max_seq_len: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        recompute_kv_on_update: bool = False,
-        seed: int = 0,
-        max_prefill_tokens: int = 8192,
-        cuda_graphs: bool = True,
-    ) -> None:
+    def __init__(self, model: CausalDecoder | PretrainedConfig, options: EngineOptions) -> None:
         """`model` is a `CausalDecoder` or a HF config of a supported family (random weights, to
-        be replaced by `load_weights`). `max_prefill_tokens` bounds the padded tokens of one
-        prefill forward (admissions and KV recomputes are split into such chunks).
-        `cuda_graphs`: on CUDA, replay the decode step from CUDA graphs (engine.runner)."""
+        be replaced by `load_weights`). Prefills and KV recomputes are split into forwards of at
+        most `options.max_prefill_tokens` padded tokens. `options.cuda_graphs`: on CUDA, replay the
+        decode step from CUDA graphs (engine.runner)."""
+        capacity, max_seq_len = options.capacity, options.max_seq_len
         if capacity < 1 or max_seq_len < 2:
             raise ValueError(f"need capacity >= 1 and max_seq_len >= 2, got {capacity} and {max_seq_len}")
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.device = torch.device(options.device)
+        self.dtype = torch_dtype(options.dtype)
         if not isinstance(model, CausalDecoder):
-            model = CausalDecoder(model, device=self.device, dtype=dtype)
-        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+            model = CausalDecoder(model, device=self.device, dtype=self.dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.version = 0
-        self.recompute_kv_on_update = recompute_kv_on_update
+        self.recompute_kv_on_update = options.recompute_kv_on_update
         self.max_seq_len = max_seq_len
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = options.max_prefill_tokens
         self.stats = EngineStats()
         self._capacity = capacity
-        graphs = cuda_graphs and self.device.type == "cuda"
-        self._cache = KVCache(self.model.config, capacity, max_seq_len, self.device, dtype,
+        graphs = options.cuda_graphs and self.device.type == "cuda"
+        self._cache = KVCache(self.model.config, capacity, max_seq_len, self.device, self.dtype,
                               scratch=graphs)
         self._runner = (GraphRunner(self.model, self._cache, capacity, max_seq_len) if graphs
                         else EagerRunner(self.model, self._cache))
         self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed)
+        self._generator.manual_seed(options.seed)
         self._queue: deque[GenerationRequest] = deque()
         self._extends: deque[tuple[str, list[int], SamplingParams]] = deque()
         # step() and weight updates exclude each other, so an update from another thread lands
         # between two steps.
         self._lock = threading.Lock()
-        self._torn = False  # a weight update raised part-way through
+        self._update_failed = False  # a weight update raised part-way through: mixed weights
 
-        # Slot state. Slots 0..n-1 hold the active sequences, in no particular order; parked
-        # (held, between two turns) and free slots follow.
-        self._n = 0
+        # Slot state. Slots 0.._num_running-1 hold the running sequences, in no particular
+        # order; parked (held, between two turns) and free slots follow.
+        self._num_running = 0
         self._requests: list[GenerationRequest | None] = [None] * capacity
         dev = self.device
         self._tokens = torch.zeros(capacity, max_seq_len, dtype=torch.long, device=dev)  # prompt + generated
@@ -160,32 +149,11 @@ class TorchEngine:
         self._stale = torch.zeros(capacity, dtype=torch.bool)  # parked across a recomputing update
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        *,
-        capacity: int,
-        max_seq_len: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        recompute_kv_on_update: bool = False,
-        seed: int = 0,
-        max_prefill_tokens: int = 8192,
-        cuda_graphs: bool = True,
-    ) -> "TorchEngine":
+    def from_pretrained(cls, path: str | Path, options: EngineOptions) -> "TorchEngine":
         """Load a model from a local Hugging Face directory (safetensors weights); see
         `models.decoder.SUPPORTED_MODEL_TYPES` for the families."""
-        return cls(
-            load_pretrained(path, device=device, dtype=dtype),
-            capacity=capacity,
-            max_seq_len=max_seq_len,
-            device=device,
-            dtype=dtype,
-            recompute_kv_on_update=recompute_kv_on_update,
-            seed=seed,
-            max_prefill_tokens=max_prefill_tokens,
-            cuda_graphs=cuda_graphs,
-        )
+        return cls(load_pretrained(path, device=options.device, dtype=torch_dtype(options.dtype)),
+                   options)
 
     @property
     def capacity(self) -> int:
@@ -194,10 +162,10 @@ class TorchEngine:
     def num_active(self) -> int:
         """Requests accepted and not yet returned or released: running, parked and queued, so
         that an actor topping the engine up to `capacity` does not overfill it."""
-        return self._n + self.num_parked() + len(self._queue)
+        return self._num_running + self.num_parked() + len(self._queue)
 
     def num_running(self) -> int:
-        return self._n
+        return self._num_running
 
     def num_parked(self) -> int:
         """Held sequences between two turns: they keep a slot and decode nothing."""
@@ -271,7 +239,7 @@ class TorchEngine:
                          if r is not None and r.request_id == request_id), None)
             if slot is None:
                 return False
-            if slot < self._n:  # decoding: out of the active slots first
+            if slot < self._num_running:  # decoding: out of the active slots first
                 slot, = self._deactivate([slot])
             self._free([slot])
             return True
@@ -286,18 +254,18 @@ class TorchEngine:
         """Admit queued requests into free slots (their first token comes from the prefill),
         then run one decode step over all active sequences; return those that finished."""
         with self._lock, torch.no_grad():
-            if self._torn:
+            if self._update_failed:
                 raise RuntimeError("a weight update failed part-way: the engine holds a mix of two versions")
             finished: list[GenerationOutput] = []
             if self._extends:
-                start = self._n
+                start = self._num_running
                 self._resume()
                 finished += self._collect_finished(start)
-            if self._queue and self._n + self.num_parked() < self._capacity:
-                start = self._n
+            if self._queue and self._num_running + self.num_parked() < self._capacity:
+                start = self._num_running
                 self._admit()
                 finished += self._collect_finished(start)
-            if self._n:
+            if self._num_running:
                 self._decode()
                 finished += self._collect_finished(0)
             return finished
@@ -311,10 +279,10 @@ class TorchEngine:
         """See `Engine.receive_weights`. The targets are the model's own parameters by HF name;
         with tied embeddings `lm_head.weight` and `model.embed_tokens.weight` are one tensor."""
         with self._lock:
-            self._torn = True  # until `receive` returns: a failed copy may have been partial
+            self._update_failed = True  # until `receive` returns: a failed copy may have been partial
             targets = {name: p.data for name, p in self.model.named_parameters(remove_duplicate=False)}
             version = receive(targets)
-            self._torn = False
+            self._update_failed = False
             self._mark_updated(version)
         return version
 
@@ -325,21 +293,21 @@ class TorchEngine:
         self.stats.weight_updates += 1
         if self.recompute_kv_on_update:
             self._stale |= self._parked  # recomputed when they resume
-        if self.recompute_kv_on_update and self._n:
+        if self.recompute_kv_on_update and self._num_running:
             with torch.no_grad():
                 # Everything but each sequence's last token (not yet fed) goes back in the cache.
-                self._prefill(0, self._n, self._len[: self._n] - 1)
-            self.stats.recomputed_tokens += int(self._len[: self._n].sum()) - self._n
+                self._prefill(0, self._num_running, self._len[: self._num_running] - 1)
+            self.stats.recomputed_tokens += int(self._len[: self._num_running].sum()) - self._num_running
 
     def _admit(self) -> None:
         """Move queued requests into free slots and prefill them. Requests admitted together
         with the same prompt (a group's attempts) share one prefill: the first is computed,
         the others get a copy of its K/V and its last logits, which is what computing each
         would give (same tokens at the same positions)."""
-        start = self._n
+        start = self._num_running
         free = [s for s in range(start, self._capacity)
                 if self._requests[s] is None][: len(self._queue)]
-        self._bring(free)
+        self._move_after_running(free)
         admitted = [self._queue.popleft() for _ in free]
         first: dict[tuple[int, ...], int] = {}  # prompt -> its slot
         copies: list[GenerationRequest] = []
@@ -348,23 +316,23 @@ class TorchEngine:
             if key in first:
                 copies.append(request)
                 continue
-            first[key] = self._n
-            self._place(self._n, request)
-            self._n += 1
-        computed = self._n
+            first[key] = self._num_running
+            self._place(self._num_running, request)
+            self._num_running += 1
+        computed = self._num_running
         for request in copies:
-            self._place(self._n, request)
-            self._n += 1
-        lengths = self._len[start : self._n]
+            self._place(self._num_running, request)
+            self._num_running += 1
+        lengths = self._len[start : self._num_running]
         self.stats.prefill_tokens += int(lengths[: computed - start].sum())
         self.stats.shared_prefill_tokens += int(lengths[computed - start :].sum())
         logits = self._prefill(start, computed, lengths[: computed - start])
         if copies:
             src = torch.tensor([first[tuple(r.prompt_ids)] for r in copies], device=self.device)
-            self._cache.move(src, torch.arange(computed, self._n, device=self.device),
+            self._cache.move(src, torch.arange(computed, self._num_running, device=self.device),
                              int(lengths[computed - start :].max()))
             logits = torch.cat([logits, logits[src - start]])
-        self._sample_into(start, self._n, logits)
+        self._sample_into(start, self._num_running, logits)
 
     def _place(self, slot: int, request: GenerationRequest) -> None:
         p: SamplingParams = request.params
@@ -417,10 +385,10 @@ class TorchEngine:
         the active slots, append the environment's tokens and compute only those (all of the
         sequence if a weight update asked for recomputed K/V while it waited), then sample
         the turn's first token."""
-        start = self._n
+        start = self._num_running
         items = list(self._extends)
         self._extends.clear()
-        self._bring([self._parked_slot(rid) for rid, _, _ in items])
+        self._move_after_running([self._parked_slot(rid) for rid, _, _ in items])
         feed_from = torch.zeros(len(items), dtype=torch.long)
         for i, (_, token_ids, params) in enumerate(items):
             slot = start + i
@@ -433,9 +401,9 @@ class TorchEngine:
             self._set_turn(slot, params)
             self._parked[slot] = self._stale[slot] = False
             self.stats.extended_tokens += k
-        self._n += len(items)
-        lengths = self._len[start : self._n] - feed_from
-        self._sample_into(start, self._n, self._extend_cache(start, feed_from, lengths))
+        self._num_running += len(items)
+        lengths = self._len[start : self._num_running] - feed_from
+        self._sample_into(start, self._num_running, self._extend_cache(start, feed_from, lengths))
 
     def _extend_cache(self, start: int, feed_from: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Feed tokens [feed_from[i], feed_from[i] + lengths[i]) of slots start.. into the
@@ -466,7 +434,7 @@ class TorchEngine:
         return torch.cat(logits)
 
     def _decode(self) -> None:
-        n = self._n
+        n = self._num_running
         positions = (self._len[:n] - 1).to(self.device)
         rows = torch.arange(n, device=self.device)
         logits = self._runner.decode(self._tokens[rows, positions], positions, int(self._len[:n].max()))
@@ -500,10 +468,10 @@ class TorchEngine:
         self.stats.generated_tokens += end - start
 
     def _collect_finished(self, start: int) -> list[GenerationOutput]:
-        """Return the sequences among slots start..n-1 whose last token is a stop token, that
+        """Return the sequences among slots start..num_running-1 whose last token is a stop token, that
         end with a stop sequence or that reached their turn's max_new_tokens; free their slots
         or, for held requests, park them (one device sync)."""
-        n = self._n
+        n = self._num_running
         rows = torch.arange(start, n, device=self.device)
         last = self._tokens[rows, (self._len[start:n] - 1).to(self.device)]
         stopped = (last.unsqueeze(1) == self._stop_ids[start:n]).any(dim=1)
@@ -547,11 +515,11 @@ class TorchEngine:
         return outputs
 
     def _ends_with_stop_sequence(self, start: int, rows: torch.Tensor) -> torch.Tensor:
-        """Per slot start..n-1: its turn's tokens end with one of its stop sequences."""
-        seqs = self._stop_seqs[start : self._n]  # (m, S, W)
+        """Per slot start..num_running-1: its turn's tokens end with one of its stop sequences."""
+        seqs = self._stop_seqs[start : self._num_running]  # (m, S, W)
         width = seqs.shape[2]
-        cols = self._len[start : self._n, None] - width + torch.arange(width)
-        in_turn = (cols >= self._turn_start[start : self._n, None]).to(self.device)
+        cols = self._len[start : self._num_running, None] - width + torch.arange(width)
+        in_turn = (cols >= self._turn_start[start : self._num_running, None]).to(self.device)
         tail = self._tokens[rows[:, None], cols.clamp(min=0).to(self.device)]
         equal = (tail[:, None, :] == seqs) & in_turn[:, None, :]
         return ((equal | (seqs == -1)).all(-1) & (seqs != -1).any(-1)).any(-1)
@@ -564,10 +532,10 @@ class TorchEngine:
                     self._truncates, self._penalised, self._parked, self._stale]
         return per_position, per_slot
 
-    def _move(self, src: list[int], dst: list[int]) -> None:
+    def _copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy everything slot src[i] holds, cache included, into slot dst[i]. Every read
         happens before any write (advanced indexing reads a copy), so src and dst may
-        overlap: `_move(a + b, b + a)` swaps."""
+        overlap: `_copy_slots(a + b, b + a)` swaps."""
         if not src:
             return
         length = int(self._len[src].max())
@@ -583,23 +551,24 @@ class TorchEngine:
                 objects[d] = o
 
     def _deactivate(self, slots: list[int], keep: list[bool] | None = None) -> list[int]:
-        """Take `slots` out of the active ones, keeping those packed at the front: the last
-        active sequences move into the holes, and the taken ones that `keep` marks (parked,
+        """Take `slots` out of the running ones, keeping those packed at the front: the last
+        running sequences move into the holes, and the taken ones that `keep` marks (parked,
         held) move to where those were; return where the taken ones now are (for the others,
         a slot to free)."""
         kept = {s for s, k in zip(slots, keep or [False] * len(slots)) if k}
         freed = set(slots)
-        n_new = self._n - len(freed)
-        holes = [s for s in slots if s < n_new]
-        movers = [s for s in range(n_new, self._n) if s not in freed]
+        remaining = self._num_running - len(freed)
+        holes = [s for s in slots if s < remaining]
+        movers = [s for s in range(remaining, self._num_running) if s not in freed]
         swapped = [i for i, h in enumerate(holes) if h in kept]
-        self._move(movers + [holes[i] for i in swapped], holes + [movers[i] for i in swapped])
-        self._n = n_new
+        self._copy_slots(movers + [holes[i] for i in swapped], holes + [movers[i] for i in swapped])
+        self._num_running = remaining
         return [movers[holes.index(s)] if s in holes else s for s in slots]
 
-    def _bring(self, slots: list[int]) -> None:
-        """Move inactive `slots` (parked or free) to n, n+1, ... in order, by swaps."""
-        target = list(range(self._n, self._n + len(slots)))
+    def _move_after_running(self, slots: list[int]) -> None:
+        """Move `slots` that are not running (parked or free) to the slots right after the
+        running ones, in order, by swaps; the caller then counts them as running."""
+        target = list(range(self._num_running, self._num_running + len(slots)))
         if slots == target:
             return
         # One swap at a time: whatever stood at the target moves to where the slot was, and
@@ -607,7 +576,7 @@ class TorchEngine:
         for i in range(len(slots)):
             current = slots[i]
             if current != target[i]:
-                self._move([current, target[i]], [target[i], current])
+                self._copy_slots([current, target[i]], [target[i], current])
                 slots = [current if s == target[i] else s for s in slots]
 
     def _free(self, slots: list[int]) -> None:

@@ -41,7 +41,7 @@ from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.executor import Executor
 
-from pipelinerl.engine.base import ReceiveFn
+from pipelinerl.engine.base import EngineOptions, ReceiveFn
 from pipelinerl.engine.sampling import StopMatcher
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -107,17 +107,13 @@ class VllmEngine:
         shapes: dict[str, tuple[int, ...]],
         *,
         tied: bool,
-        capacity: int,
-        max_seq_len: int,
-        recompute_kv_on_update: bool,
+        options: EngineOptions,
     ) -> None:
         self._llm = llm
         self._model_path = model_path
         self._shapes = shapes  # checkpoint names and shapes: what an update must supply
         self._tied = tied
-        self._capacity = capacity
-        self._max_seq_len = max_seq_len
-        self._recompute_kv = recompute_kv_on_update
+        self._options = options
         self._active: dict[str, _Sequence] = {}  # by vLLM request id
         # Held requests between two turns (multi-turn): their sequence so far, by request id.
         self._held: dict[str, _Sequence] = {}
@@ -129,21 +125,12 @@ class VllmEngine:
         self.version = 0
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        capacity: int,
-        max_seq_len: int,
-        dtype: str | torch.dtype = "float32",
-        seed: int = 0,
-        recompute_kv_on_update: bool = False,
-        **engine_kwargs: Any,
-    ) -> VllmEngine:
+    def from_pretrained(cls, path: str | os.PathLike[str], options: EngineOptions,
+                        **engine_kwargs: Any) -> VllmEngine:
         """Load a local Hugging Face model directory (safetensors) into an in-process engine.
 
-        `capacity` is vLLM's `max_num_seqs`, `max_seq_len` its `max_model_len` (prompt plus
-        new tokens). Other `engine_kwargs` go to `vllm.EngineArgs` (e.g. `enforce_eager`,
+        `options.capacity` is vLLM's `max_num_seqs`, `options.max_seq_len` its `max_model_len`
+        (prompt plus new tokens). `engine_kwargs` go to `vllm.EngineArgs` (e.g. `enforce_eager`,
         `kv_cache_memory_bytes`, `gpu_memory_utilization`, `max_num_batched_tokens`); the
         ones in `_MANAGED_ARGS` are refused because correctness depends on them.
         """
@@ -159,10 +146,11 @@ class VllmEngine:
         # CUDA graphs pay on GPU and survive reload_weights (it writes into the same storage);
         # on CPU, compilation costs more start-up time than it saves at our sizes.
         engine_kwargs.setdefault("enforce_eager", current_platform.is_cpu())
+        capacity, max_seq_len = options.capacity, options.max_seq_len
         args = EngineArgs(
             model=str(path),
-            dtype=dtype,
-            seed=seed,
+            dtype=options.dtype,
+            seed=options.seed,
             max_model_len=max_seq_len,
             max_num_seqs=capacity,
             enable_prefix_caching=False,
@@ -220,14 +208,12 @@ class VllmEngine:
             Path(path),
             shapes,
             tied=tied,
-            capacity=capacity,
-            max_seq_len=max_seq_len,
-            recompute_kv_on_update=recompute_kv_on_update,
+            options=options,
         )
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return self._options.capacity
 
     def num_active(self) -> int:
         return len(self._active) + len(self._held)
@@ -239,11 +225,11 @@ class VllmEngine:
         params = request.params
         prompt = request.prompt_ids
         needed = len(prompt) + params.max_new_tokens
-        if not prompt or params.max_new_tokens < 1 or needed > self._max_seq_len:
+        if not prompt or params.max_new_tokens < 1 or needed > self._options.max_seq_len:
             raise ValueError(
                 f"request {request.request_id!r} does not fit: {len(prompt)} prompt tokens + "
                 f"{params.max_new_tokens} new tokens = {needed}; need a non-empty prompt, at "
-                f"least 1 new token and at most max_seq_len={self._max_seq_len} in all"
+                f"least 1 new token and at most max_seq_len={self._options.max_seq_len} in all"
             )
         bad = [t for t in (*prompt, *params.stop_token_ids) if not 0 <= t < self._vocab_size]
         if bad:
@@ -255,7 +241,7 @@ class VllmEngine:
             raise ValueError(f"request id {request.request_id!r} is already active")
         if any(not q for q in params.stop_sequences) or (params.stop and not all(params.stop.strings)):
             raise ValueError(f"request {request.request_id!r}: an empty stop sequence or string")
-        if params.seed is not None and self._recompute_kv:
+        if params.seed is not None and self._options.recompute_kv_on_update:
             raise ValueError(f"request {request.request_id!r}: a request's own seed crashes vLLM "
                              "once an update clears its cache (recompute_kv_on_update)")
         self._submit(_Sequence(request, list(prompt)))
@@ -277,10 +263,10 @@ class VllmEngine:
             raise ValueError(f"request {request_id!r} is not held after a finished turn")
         context = held.context + held.token_ids + list(token_ids)
         bad = [t for t in token_ids if not 0 <= t < self._vocab_size]
-        if bad or params.max_new_tokens < 1 or len(context) + params.max_new_tokens > self._max_seq_len:
+        if bad or params.max_new_tokens < 1 or len(context) + params.max_new_tokens > self._options.max_seq_len:
             raise ValueError(
                 f"request {request_id!r}: {len(context)} tokens with the new ones + "
-                f"max_new_tokens={params.max_new_tokens} must fit max_seq_len={self._max_seq_len}"
+                f"max_new_tokens={params.max_new_tokens} must fit max_seq_len={self._options.max_seq_len}"
                 f" (and token ids {bad[:8]} be in the vocabulary)"
             )
         del self._held[request_id]
@@ -369,7 +355,7 @@ class VllmEngine:
         named = self._checked(weights)  # before vLLM touches a layer
         with self._lock:
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
-            if self._recompute_kv:
+            if self._options.recompute_kv_on_update:
                 # Preempts every running request; the scheduler re-prefills prompt + generated
                 # tokens under the new weights before sampling their next token.
                 self._llm.reset_prefix_cache(reset_running_requests=True)
