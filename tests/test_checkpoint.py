@@ -26,7 +26,8 @@ from pipelinerl.metrics.logger import MetricsLogger
 from pipelinerl.records import open_append, open_resumed, read_rows
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.attempts import ATTEMPTS_FILE, read_resumes, record_resume, valid_upto
-from pipelinerl.trainer import BatchSource, Trainer
+from pipelinerl.batches import BatchSource
+from pipelinerl.trainer import Trainer
 from pipelinerl.types import Group, Sample
 
 from tiny_models import VOCAB, tiny_hf_model
@@ -269,7 +270,7 @@ def test_drops_give_places_back_and_the_source_survives_a_checkpoint(tmp_path: P
     batch = source.take(2, step=5)
     assert [g.group_id for g in batch] == ["s1-g0", "s1-g1"]
     assert source.dropped == {"stale": 2, "malformed": 1}
-    assert source.returned == {0: 1, 1: 2}
+    assert source.given_back == {0: 1, 1: 2}
     snapshot = json.loads(json.dumps(source.snapshot()))  # as state.json holds it
     assert [g["group_id"] for g in snapshot["buffered"]] == ["s1-g2", "s1-g3"]
 
@@ -280,7 +281,7 @@ def test_drops_give_places_back_and_the_source_survives_a_checkpoint(tmp_path: P
     again.timeout_s = 0.3
     with pytest.raises(TimeoutError):
         again.take(1, step=5)
-    assert again.dropped == {"stale": 2, "malformed": 1} and again.returned == {0: 1, 1: 2}
+    assert again.dropped == {"stale": 2, "malformed": 1} and again.given_back == {0: 1, 1: 2}
 
 
 @pytest.mark.parametrize("mode", ["mode=pipeline", "mode=conventional"])
@@ -312,13 +313,13 @@ def test_groups_made_with_weights_lost_in_a_crash_are_dropped_whatever_the_step(
     source.valid_upto = valid_upto([(1, 40)])
     # At step 44 version 42 is not even stale: only its attempt tells it apart.
     assert [g.group_id for g in source.take(2, step=44)] == ["s1-g0", "s2-g0"]
-    assert source.dropped == {"after_checkpoint": 1} and source.returned == {0: 1}
+    assert source.dropped == {"after_checkpoint": 1} and source.given_back == {0: 1}
 
 
 def test_a_trainer_waiting_for_groups_tells_a_blocked_actor_from_a_dead_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("pipelinerl.trainer.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pipelinerl.batches.time.monotonic", lambda: clock[0])
     source = _source(tmp_path)
     with open_writer("local", stream="rollouts", writer_id="actor_1", root=tmp_path) as w:
         w.write(_groups(0, n_groups=1, version=0)[0].to_dict() | {"actor_id": 1})

@@ -14,10 +14,10 @@ import torch
 from pipelinerl.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl.config import Config, load_config
 from pipelinerl.parallel import GatheredWeights, is_sharded, wrap_model
+from pipelinerl.process_group import share_groups
 from pipelinerl.rl.schedule import make_scheduler
 from pipelinerl.rl.step import rl_step
 from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
-from pipelinerl.trainer import share_groups
 from pipelinerl.types import Group, Sample
 from ranks import run_ranks
 from tiny_models import VOCAB, tiny_hf_model
@@ -241,7 +241,7 @@ def _load_both_ways(rank: int, world: int, dirs: dict[str, str], broken: str, ru
     out["ref_frozen"] = not any(p.requires_grad for p in trainer.ref_model.parameters())
     with torch.no_grad():
         out["ref_logits"] = trainer.ref_model(input_ids=ids).logits
-    trainer._publish()
+    trainer.publish()
     out["trainer_reads"] = reads  # the trained model's and the reference's, default chunks
     out["fp32"] = _gathered(model)
     if sender is not None:

@@ -94,7 +94,6 @@ def test_scheduler_sets_the_lr_of_each_optimizer_step() -> None:
 
 def test_trainer_steps_the_schedule_after_each_step_with_fake_rl_step(monkeypatch) -> None:
     """A fake rl_step stands in for the loss: only the trainer's lr bookkeeping is tested."""
-    import pipelinerl.rl.step as step_module
     from pipelinerl.trainer import Trainer
 
     def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
@@ -102,7 +101,7 @@ def test_trainer_steps_the_schedule_after_each_step_with_fake_rl_step(monkeypatc
         optimizer.step()
         return {"input_tokens": 0, "lr": optimizer.param_groups[0]["lr"]}
 
-    monkeypatch.setattr(step_module, "rl_step", fake_rl_step)
+    monkeypatch.setattr("pipelinerl.trainer.rl_step", fake_rl_step)
     cfg = load_config(overrides=["trainer.lr=1.0", "trainer.warmup_steps=4",
                                  "trainer.lr_schedule=cosine", "trainer.max_steps=8"])
     trainer = Trainer(cfg, torch.nn.Linear(1, 1), source=None, sender=None)
@@ -353,8 +352,6 @@ def test_kl_penalty_through_the_step_by_hand() -> None:
 
 
 def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
-    import pipelinerl.models.hf as hf
-    import pipelinerl.rl.step as step_module
     from pipelinerl.trainer import Trainer
 
     loaded: list[tuple] = []
@@ -371,8 +368,8 @@ def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
         optimizer.step()
         return {"input_tokens": 0}
 
-    monkeypatch.setattr(hf, "load_model", fake_load_model)
-    monkeypatch.setattr(step_module, "rl_step", fake_rl_step)
+    monkeypatch.setattr("pipelinerl.trainer.load_model", fake_load_model)
+    monkeypatch.setattr("pipelinerl.trainer.rl_step", fake_rl_step)
     off = Trainer(load_config(overrides=["model.path=start"]), torch.nn.Linear(1, 1), None, None)
     assert off.ref_model is None and loaded == []
     # masked_row: the stand-in reference (a Linear) has no attention to set.

@@ -23,7 +23,7 @@ from pipelinerl.roles import (
     open_weight_sender,
     write_stop_unwinding,
 )
-from pipelinerl.trainer import BatchSource
+from pipelinerl.batches import BatchSource
 from pipelinerl.types import Group, Sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"

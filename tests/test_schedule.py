@@ -8,8 +8,8 @@ import pytest
 
 from pipelinerl.actor import Schedule
 from pipelinerl.admission import MemoryLedger
+from pipelinerl.batches import BatchSource
 from pipelinerl.config import ConfigError, load_config
-from pipelinerl.trainer import BatchSource
 from pipelinerl.types import Group, Sample
 
 
@@ -205,7 +205,7 @@ class _ListReader:
 
 
 def test_the_trainer_drops_stale_groups_only_in_pipeline_mode_with_drop_stale():
-    from pipelinerl.trainer import stale_bound
+    from pipelinerl.batches import stale_bound
 
     def bound(*overrides: str) -> int | None:
         return stale_bound(load_config(None, ["actor.max_lag=3", *overrides]))
@@ -249,7 +249,7 @@ def test_places_of_groups_dropped_in_a_batch_reach_the_actors_before_it_waits():
     batch = source.take(2, step=6)  # without the announcement: no group in 1 s, TimeoutError
     assert [g.group_id for g in batch] == ["fresh", "fresh2"]
     assert reader.announced == [{0: 3}]  # cumulative per actor, sent once
-    assert not source.returned_changed
+    assert not source.given_back_changed
 
 
 def test_trainer_times_out_loudly_when_no_rollouts_arrive():

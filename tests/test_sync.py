@@ -769,7 +769,8 @@ def _sharded_trainer(rank: int, world: int, init: str) -> int | None:
     from torch.distributed.fsdp import fully_shard
 
     from pipelinerl.config import load_config
-    from pipelinerl.trainer import Trainer, share_groups
+    from pipelinerl.process_group import share_groups
+    from pipelinerl.trainer import Trainer
 
     model = fully_shard(_OneTensor(), mesh=init_device_mesh("cpu", (world,)))
     sender = (BroadcastWeightSender(init, n_actors=1, bucket_mb=4.0, timeout_s=30,
@@ -780,12 +781,12 @@ def _sharded_trainer(rank: int, world: int, init: str) -> int | None:
         trainer.step = version
         with torch.no_grad():
             model.w.to_local().fill_(float(version))  # this rank's shard
-        trainer._publish()
+        trainer.publish()
 
     publish(1)
     publish(2)  # the receiver dies inside it: every rank gathers again
     if sender is None:  # rank 0 waits for samples: the other ranks wait for its batch
-        share_groups(None, rank, world, trainer._publish)
+        share_groups(None, rank, world, trainer.publish)
     else:
         deadline = time.monotonic() + 60
         while sender.epoch < 2:  # a second restart, taken in while waiting

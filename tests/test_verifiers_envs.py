@@ -250,7 +250,7 @@ def test_an_episode_that_branches_trains_as_one_sample_per_branch(
     from pipelinerl.rl.advantages import groups_advantages
     from pipelinerl.rl.step import rl_step
     from pipelinerl.streams import open_reader, open_writer
-    from pipelinerl.trainer import BatchSource
+    from pipelinerl.batches import BatchSource
 
     task = make_task("verifiers:vf_guess", {"games": 8, "env": {"player": {"max_turns": 2}}})
     served = Served(paragraph_model)

@@ -4,6 +4,8 @@ weights.
 Loop (paper, "Trainer"): take B samples from the stream, compute group advantages, recompute
 log-probs with packing, REINFORCE with truncated importance weights (or PPO-clip), AdamW with
 gradient clipping, then publish the new weights (version = optimizer steps taken).
+
+`run_trainer` is the recipe every rank runs: `TrainerRun.setup`, `train`, `finish`, `close`.
 """
 
 from __future__ import annotations
@@ -11,20 +13,29 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import time
-from collections import Counter
-from datetime import timedelta
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from pipelinerl.attempts import record_resume, valid_upto
+from pipelinerl.batches import BatchSource, stale_bound
+from pipelinerl.checkpoint import (
+    CheckpointDue,
+    agreed_latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from pipelinerl.config import Config, TrainerConfig
+from pipelinerl.eval_results import EvalResults, step_times
+from pipelinerl.metrics.logger import METRICS, MetricsLogger
+from pipelinerl.models.hf import load_model, load_tokenizer, save_model
+from pipelinerl.models.lora import apply_lora, is_lora, merged_weights, to_save
 from pipelinerl.parallel import (
     GatheredWeights,
     full_state_dict,
@@ -33,220 +44,286 @@ from pipelinerl.parallel import (
     shard_frozen,
     wrap_model,
 )
+from pipelinerl.process_group import call_to_publish, init_distributed, rank0_says, share_groups
+from pipelinerl.records import open_resumed, read_rows
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
-from pipelinerl.streams.base import StreamReader
+from pipelinerl.rl.step import rl_step
+from pipelinerl.roles import (
+    check_run_id_unused,
+    open_control_writer,
+    open_eval_reader,
+    open_rollout_reader,
+    open_weight_sender,
+    write_returned,
+    write_stop,
+    write_stop_unwinding,
+)
+from pipelinerl.streams import Writer
 from pipelinerl.sync.base import CastWeights, RejoinableSender, WeightSender
-from pipelinerl.types import HEARTBEAT_S, Group, Sample, attempt_index
+from pipelinerl.types import Group, Sample
 
 log = logging.getLogger(__name__)
 
 
+def run_trainer(cfg: Config) -> None:
+    """The trainer role on this rank: build, train to trainer.max_steps (or max_time_s), save
+    the final weights and stop the run."""
+    run = TrainerRun.setup(cfg)
+    try:
+        run.train()
+        run.finish()
+    finally:
+        run.close()
+
 
 @dataclass
-class BatchSource:
-    """Pulls whole groups from the stream; drops (and counts) groups beyond the lag bound,
-    groups of negative lag (another run's) and malformed records. Every drop gives the group's
-    place back to its actor's admission count (`returned`, sent on the control stream), so
-    drops never narrow the pipeline."""
+class TrainerRun:
+    """One rank's run: what `setup` built, for `train`, `finish` and `close`. Rank 0 alone reads
+    the stream and writes the records: the fields that are None on the other ranks."""
 
-    reader: StreamReader
-    group_size: int
-    # None: no bound (conventional mode bounds lag by construction; trainer.drop_stale=false)
-    max_lag: int | None
-    timeout_s: float
-    # Per earlier attempt of the run, the newest weight version still in this run's history:
-    # the lowest step a later attempt resumed from (docs/reliability.md). Empty: not resumed.
-    valid_upto: dict[int, int] = field(default_factory=dict)
-    buffer: list[Group] = field(default_factory=list)
-    dropped: Counter = field(default_factory=Counter)
-    dropped_ids: dict[str, list[str]] = field(default_factory=dict)  # by reason, until taken
-    returned: Counter = field(default_factory=Counter)  # actor id -> places given back
-    returned_changed: bool = False
-    # Sends `returned` to the actors (the control stream). Called whenever the source is about
-    # to wait for groups: an actor blocked by the staleness bound fills the places of groups
-    # dropped in this very batch only once it learns they are free (after a resume, a batch
-    # can drop more groups made after the checkpoint than the bound leaves room for).
-    announce: Callable[[dict[int, int]], None] | None = None
-    # Called likewise: a restarted actor waits for weights while the trainer waits for its
-    # groups (Trainer.serve_rejoined).
-    idle: Callable[[], None] | None = None
-    trimmed: int = 0  # records deleted from the stream after checkpoints (counted for audits)
-    wait_s: float = 0.0
-    actor_stats: dict[int, dict[str, float]] = field(default_factory=dict)
-    # Per actor, when a group or heartbeat of it last came, and the newest heartbeat.
-    heartbeats: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    last_group: dict[int, float] = field(default_factory=dict)
+    cfg: Config
+    rank: int
+    world: int
+    device: str
+    model: torch.nn.Module  # unwrapped: a DDP wrapper lives in trainer.model alone (see close)
+    sharded: bool  # FSDP2: gathering weights, saving and publishing involve every rank
+    trainer: Trainer
+    tokenizer: Any
+    due: CheckpointDue
+    bar: tqdm
+    batches: Iterator[list[Group] | None] | None
+    metrics: MetricsLogger | None
+    trained_log: IO[str] | None  # trained.jsonl: the groups each step trained, those dropped
+    control: Writer | None  # the control stream: places given back, the stop record
+    evals: EvalResults | None  # the evaluator's results (eval.enabled)
+    stop_written: bool = False
 
-    def snapshot(self) -> dict[str, Any]:
-        """The checkpoint's part: where the reader stands, what it read and has not trained."""
-        return {"offsets": self.reader.offsets(), "buffered": [g.to_dict() for g in self.buffer],
-                "dropped": dict(self.dropped), "trimmed": self.trimmed,
-                "returned": {str(k): v for k, v in self.returned.items()}}
+    @classmethod
+    def setup(cls, cfg: Config) -> TrainerRun:
+        """Ranks, rank 0's records, the model, rank 0's channels, the trainer, the resume."""
+        torch.set_num_threads(cfg.trainer.threads)
+        torch.manual_seed(cfg.trainer.seed)
+        rank, world, device = join_ranks(cfg)
+        is_main = rank == 0
+        # A resumed run (attempt > 0) continues from its newest complete checkpoint, or from the
+        # starting model when the crashed attempt wrote none.
+        checkpoint = agreed_latest_checkpoint(cfg.run_dir) if cfg.attempt else None
+        state = read_state(checkpoint)
+        resume_step = (state or {}).get("step", 0) if cfg.attempt else None
+        metrics, trained_log = open_records(cfg, resume_step) if is_main else (None, None)
+        model, wrapped = build_model(cfg, device, world)
+        source = sender = control = evals = None
+        if is_main:
+            offsets = state["source"]["offsets"] if state and state["source"] else None
+            source, sender, control, evals = open_channels(cfg, offsets, metrics)
+        trainer = Trainer(cfg, wrapped, source, sender)
+        tokenizer = load_tokenizer(cfg.model.path)
+        sharded = is_sharded(wrapped)
+        if resume_step is not None:
+            resume_attempt(cfg, trainer, checkpoint, evals, publish=is_main or sharded)
+        due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
+                            trainer.step)
+        return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, sharded=sharded,
+                   trainer=trainer, tokenizer=tokenizer, due=due,
+                   bar=progress_bar(cfg, enabled=cfg.metrics.progress and is_main),
+                   batches=trainer.batches() if is_main else None, metrics=metrics,
+                   trained_log=trained_log, control=control, evals=evals)
 
-    def restore(self, snapshot: dict[str, Any]) -> None:
-        """After opening the reader at snapshot["offsets"]."""
-        self.buffer = [Group.from_dict(d) for d in snapshot["buffered"]]
-        self.dropped = Counter(snapshot["dropped"])
-        self.trimmed = snapshot.get("trimmed", 0)
-        self.returned = Counter({int(k): v for k, v in snapshot["returned"].items()})
-        self.returned_changed = True  # the actors of the new attempt learn it at once
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: it alone reads the stream, sends the weights and writes the records."""
+        return self.rank == 0
 
-    def _give_back(self, actor_id: int, reason: str, group_id: str) -> None:
-        self.dropped[reason] += 1
-        self.dropped_ids.setdefault(reason, []).append(group_id)
-        self.returned[actor_id] += 1
-        self.returned_changed = True
+    @property
+    def round_steps(self) -> int:
+        """Optimizer steps per generated round: a conventional round's G, else 1."""
+        return self.cfg.conventional_g if self.cfg.mode == "conventional" else 1
 
-    def _pull(self) -> None:
-        t0 = time.monotonic()
-        records = self.reader.read(max_count=256, timeout_s=0.5)
-        self.wait_s += time.monotonic() - t0
-        for record in records:
-            if record.get("heartbeat"):
-                self.heartbeats[record.get("actor_id", -1)] = (time.monotonic(), record)
-                continue
-            try:
-                group = Group.from_dict(record)
-                _validate(group, self.group_size)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("dropping a malformed rollout record: %r", exc)
-                actor_id = record.get("actor_id") if isinstance(record, dict) else None
-                if isinstance(actor_id, int):
-                    self._give_back(actor_id, "malformed", str(record.get("group_id", "")))
-                else:  # whose place it held is unknown: counted, not given back
-                    self.dropped["malformed"] += 1
-                continue
-            self.actor_stats[group.actor_id] = group.actor_stats
-            self.last_group[group.actor_id] = time.monotonic()
-            self.buffer.append(group)
-
-    def _drop_reason(self, group: Group, step: int) -> str | None:
-        newest = max(max(s.versions) for s in group.samples)
-        if group.attempt in self.valid_upto and newest > self.valid_upto[group.attempt]:
-            # Made with weights a crashed attempt published after the checkpoint the run
-            # resumed from: those weights are gone, the group's tokens belong to no policy of
-            # this run's history.
-            return "after_checkpoint"
-        if newest > step:
-            # Weights the trainer has not produced yet: another run's group (a stream reused
-            # by mistake), however small its lag looks.
-            if not self.dropped["negative_lag"]:
-                log.warning("dropping group %s: it holds tokens of version %d at trainer step %d, "
-                            "so it comes from another run; is run_id shared?",
-                            group.group_id, newest, step)
-            return "negative_lag"
-        if self.max_lag is not None and step - _oldest_version(group) > self.max_lag:
-            return "stale"
-        return None
-
-    def take_dropped_ids(self) -> dict[str, list[str]]:
-        """Group ids dropped since the last call, by reason (trained.jsonl's `dropped`)."""
-        ids, self.dropped_ids = self.dropped_ids, {}
-        return ids
-
-    def take(self, n_groups: int, step: int, deadline: float | None = None) -> list[Group] | None:
-        """The next `n_groups` groups usable at optimizer step `step`, in arrival order; None
-        if the monotonic clock passes `deadline` while waiting for them (the groups taken so
-        far go back to the buffer, which a checkpoint keeps).
-        Raises TimeoutError when none usable came for `timeout_s`: groups that keep arriving
-        only to be dropped (another run's, all stale) stop the run instead of holding it."""
-        last_usable = time.monotonic()
-        dropped_before = sum(self.dropped.values())
-        batch: list[Group] = []
-        while len(batch) < n_groups:
-            while self.buffer and len(batch) < n_groups:
-                group = self.buffer.pop(0)
-                reason = self._drop_reason(group, step)
-                if reason is not None:
-                    self._give_back(group.actor_id, reason, group.group_id)
-                    continue
-                batch.append(group)
-                last_usable = time.monotonic()
-            if len(batch) == n_groups:
+    def train(self) -> None:
+        """Optimizer steps until trainer.max_steps, or until the time budget runs out."""
+        trainer = self.trainer
+        while trainer.step < self.cfg.trainer.max_steps and not self.out_of_time():
+            groups = next(self.batches) if self.batches is not None else None
+            shard = share_groups(groups, self.rank, self.world, trainer.publish)
+            if shard is None:  # out of time while waiting for groups
+                if self.is_main:  # groups dropped meanwhile are recorded, though no step follows
+                    self.write_trained([])
                 break
-            self._announce_returned()
-            if self.idle is not None:
-                self.idle()
-            if deadline is not None and time.monotonic() > deadline:
-                self.buffer[:0] = batch
-                return None
-            if time.monotonic() - last_usable > self.timeout_s:  # the buffer is empty here
-                dropped = sum(self.dropped.values()) - dropped_before
-                raise TimeoutError(
-                    f"no usable rollout arrived for {self.timeout_s:.0f} s at step {step} (have "
-                    f"{len(batch)}/{n_groups} groups; {dropped} dropped meanwhile, the run's "
-                    f"drops by reason: {dict(self.dropped)}). {self.actors_report(step)} See "
-                    "the run's logs/ (with actor.drop_zero_variance, actors also drop every "
-                    "group a saturated policy solves or fails entirely: "
-                    "actor_skipped_zero_variance)"
-                )
-            self._pull()
-        self._announce_returned()
-        return batch
+            metrics = trainer.train_step(shard, num_sequences=self.cfg.trainer.batch_size)
+            if self.sharded or self.is_main:
+                trainer.maybe_publish()
+            record = self.record_step(groups, metrics) if self.is_main else None
+            self.checkpoint_if_due()  # after the step's records, which a resume from it keeps
+            if record is not None:
+                self.report_step(record)
 
-    def _announce_returned(self) -> None:
-        if self.returned_changed and self.announce is not None:
-            self.announce(dict(self.returned))
-            self.returned_changed = False
+    def out_of_time(self) -> bool:
+        """The wall-clock budget is rank 0's call, so every rank stops after the same step."""
+        if not self.cfg.trainer.max_time_s:
+            return False
+        over = time.monotonic() - self.trainer.started_at > self.cfg.trainer.max_time_s
+        return rank0_says(over, self.device) if self.world > 1 else over
 
-    def actors_report(self, step: int) -> str:
-        """What each actor last said: blocked (alive, admitting nothing), busy, or silent."""
-        now = time.monotonic()
-        if not self.heartbeats and not self.last_group:
-            return "No actor has written anything: none started, or all died at start."
-        parts = []
-        for actor in sorted({*self.heartbeats, *self.last_group}):
-            heard, beat = self.heartbeats.get(actor, (0.0, None))
-            heard = max(heard, self.last_group.get(actor, 0.0))
-            ago = now - heard
-            if beat is None or ago > 3 * HEARTBEAT_S:
-                parts.append(f"actor {actor}: silent for {ago:.0f} s, so dead or hung")
-            elif beat.get("waiting_for_weights"):
-                parts.append(f"actor {actor}: alive, waiting for the trainer's weights")
-            elif beat.get("blocked"):
-                parts.append(f"actor {actor}: alive but blocked by the staleness bound (it holds "
-                             f"weights of version {beat['version']} at trainer step {step}; its "
-                             f"claim {beat['claimed']}, the run's limit {beat['limit']}): the "
-                             "trainer's weights do not reach it, or admission is miscounted")
-            else:
-                parts.append(f"actor {actor}: alive, generating ({beat['in_flight']} sequences "
-                             "in flight) but finishing none")
-        return "; ".join(parts) + "."
+    def record_step(self, groups: list[Group] | None, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: the step's row in metrics.jsonl and in trained.jsonl."""
+        assert groups is not None and self.metrics is not None
+        record = self.trainer.step_record(groups, metrics)
+        self.metrics.log(self.trainer.step, record)
+        self.write_trained([g.group_id for g in groups])
+        return record
+
+    def write_trained(self, trained: list[str]) -> None:
+        """trained.jsonl's row: the groups trained at this step, those dropped since the last."""
+        assert self.trained_log is not None and self.trainer.source is not None
+        dropped = self.trainer.source.take_dropped_ids()
+        self.trained_log.write(json.dumps({"step": self.trainer.step, "trained": trained,
+                                           "dropped": dropped}) + "\n")
+
+    def checkpoint_if_due(self) -> None:
+        """Rank 0's clock decides; with a sharded model every rank writes its shards."""
+        step = self.trainer.step
+        # Conventional mode: only between rounds, where no generated round is half-trained.
+        save = self.is_main and self.due(step) and step % self.round_steps == 0
+        if self.sharded:
+            save = rank0_says(save, self.device)
+        if save:
+            self.trainer.save_checkpoint(self.tokenizer)
+            self.due.done(step)
+
+    def report_step(self, record: dict[str, Any]) -> None:
+        """Rank 0: the evaluator's results so far into the metrics, the progress bar on."""
+        if self.evals is not None:
+            self.evals.made(self.trainer.step, record["time_s"])
+            self.evals.drain()
+        advance_progress(self.bar, self.cfg, record["time_s"])
+        self.bar.set_postfix(step=self.trainer.step, reward=f"{record['reward']:.2f}",
+                             success=f"{record['success_ema']:.2f}",
+                             ess=f"{record.get('ess', float('nan')):.3f}",
+                             lag=f"{record.get('lag_mean', float('nan')):.2f}")
+
+    def finish(self) -> None:
+        """The final weights and checkpoint, the stop record, the final evaluation and the
+        plot; then every rank leaves together."""
+        trainer, final_published = self.trainer, False
+        if self.is_main or self.sharded:
+            # Before the stop record: the actors, and after them the launcher, leave only once
+            # the final weights are on disk, so a slow save is never cut short. The last
+            # checkpoint lets `--resume` extend a finished run.
+            save_final(self.cfg, self.model, self.tokenizer, self.is_main)
+            if trainer.step % self.round_steps == 0 and self.due.last_step != trainer.step:
+                trainer.save_checkpoint(self.tokenizer)
+            # The evaluator takes the final weights from the channel once the stop record
+            # says they are there; the plot waits for its result.
+            final_published = self.cfg.eval.enabled and trainer.publish_final()
+        if self.is_main:
+            assert self.control is not None and self.metrics is not None
+            write_stop(self.control, self.cfg, trainer.step, final_published=final_published)
+            self.stop_written = True
+            if final_published and self.evals is not None:
+                self.evals.wait_final(self.cfg.eval.final_timeout_s)
+            if self.cfg.metrics.plot:
+                _plot(self.cfg, self.metrics.path)
+        if self.world > 1:
+            # The other ranks wait for rank 0's save, so all leave the group together: a rank
+            # that tore down its DDP model and group early left rank 0 hanging at exit.
+            dist.barrier()
+
+    def close(self) -> None:
+        """Whatever happened: a stop record (an unwinding one unless `finish` wrote it), every
+        channel and record closed, the process group left."""
+        self.bar.close()
+        if self.is_main:
+            assert self.control is not None and self.metrics is not None
+            assert self.trained_log is not None
+            if not self.stop_written:
+                write_stop_unwinding(self.control, self.cfg, self.trainer.step)
+            self.control.close()
+            if self.evals is not None:
+                self.evals.reader.close()
+            self.metrics.close()
+            self.trained_log.close()
+            if self.trainer.sender is not None:
+                self.trainer.sender.close()
+        if dist.is_initialized():
+            self.trainer.model = None  # DDP's reducer goes before the group it uses
+            dist.destroy_process_group()
 
 
-def stale_bound(cfg: Config) -> int | None:
-    """The lag past which the trainer drops a group (None: it drops none for staleness)."""
-    return cfg.actor.max_lag if cfg.mode == "pipeline" and cfg.trainer.drop_stale else None
+def join_ranks(cfg: Config) -> tuple[int, int, str]:
+    """(rank, world, device) of this trainer process; a step's groups split evenly over ranks."""
+    # The final barrier waits for rank 0's final evaluation too.
+    final_eval_s = cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0
+    rank, world, device = init_distributed(cfg.trainer.device, timeout_s=1800.0 + final_eval_s,
+                                           sharded=cfg.trainer.strategy == "fsdp2")
+    n_groups = cfg.trainer.batch_size // cfg.actor.group_size
+    if n_groups % world:
+        raise ValueError(f"trainer.batch_size / actor.group_size = {n_groups} groups per step "
+                         f"cannot be split evenly over {world} trainer ranks")
+    return rank, world, device
 
 
-def _oldest_version(group: Group) -> int:
-    return min(min(s.model_versions()) for s in group.samples if s.token_ids)
+def open_records(cfg: Config, resume_step: int | None) -> tuple[MetricsLogger, IO[str]]:
+    """Rank 0's metrics.jsonl and trained.jsonl, cut back to `resume_step` on a resume."""
+    # Refused before anything loads: a finished run's id, or another launch's files.
+    check_run_id_unused(cfg)
+    metrics = MetricsLogger(cfg.run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
+                            resume_step=resume_step, attempt=cfg.attempt)
+    return metrics, open_resumed(cfg.run_dir / "trained.jsonl", resume_step, cfg.attempt)
 
 
-def _validate(group: Group, group_size: int) -> None:
-    attempts = len(set(attempt_index(group.samples)))  # an episode's branches: one attempt
-    if attempts != group_size:
-        raise ValueError(f"group {group.group_id} has {attempts} attempts, expected {group_size}")
-    for s in group.samples:
-        if not (len(s.token_ids) == len(s.logprobs) == len(s.versions)) or not s.token_ids:
-            raise ValueError(f"group {group.group_id}: token, log-prob and version lists differ in length")
-        if s.model_mask is not None and (len(s.model_mask) != len(s.token_ids) or not any(s.model_mask)):
-            raise ValueError(f"group {group.group_id}: model_mask does not match its tokens or marks none")
+def build_model(cfg: Config, device: str, world: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model to train (with LoRA adapters when configured), and the same laid over the
+    ranks (`wrap_model`: DDP's wrapper, or the model itself sharded by FSDP2)."""
+    # FSDP2: every rank builds the model empty (meta device), shards it, then receives its
+    # shards of the weights from rank 0 (`load_shards`): no rank holds the whole model.
+    fsdp = cfg.trainer.strategy == "fsdp2"
+    model = load_model(cfg.model.path, dtype=torch.float32, device="meta" if fsdp else device)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora)
+    model.train()
+    set_packed_attention(model, cfg.trainer)
+    wrapped = wrap_model(model, cfg.trainer, device, world)
+    if is_sharded(wrapped):
+        load_shards(wrapped, cfg.model.path, cfg.trainer.fsdp, device)
+    return model, wrapped
 
 
-def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights by Hugging Face name (unwrapping DistributedDataParallel's `module.`; with LoRA,
-    the base weights merged with the adapters)."""
-    from pipelinerl.models.lora import is_lora, merged_weights
+def open_channels(cfg: Config, offsets: dict | None, metrics: MetricsLogger | None
+                  ) -> tuple[BatchSource, WeightSender, Writer, EvalResults | None]:
+    """Rank 0's channels: the rollouts (read from the checkpoint's `offsets`), the weights, the
+    control stream (places given back) and the evaluator's results (logged into `metrics`)."""
+    control = open_control_writer(cfg)
+    source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size,
+                         stale_bound(cfg), cfg.trainer.sample_timeout_s,
+                         announce=functools.partial(write_returned, control, cfg))
+    sender = open_weight_sender(cfg)
+    evals = None
+    if cfg.eval.enabled:
+        assert metrics is not None
+        evals = EvalResults(open_eval_reader(cfg), metrics.log, cfg.attempt)
+    return source, sender, control, evals
 
-    if is_lora(model):
-        return merged_weights(model)
-    model = getattr(model, "module", model)
-    return {name: t.detach() for name, t in model.state_dict().items()}
+
+def resume_attempt(cfg: Config, trainer: Trainer, checkpoint: Path | None,
+                   evals: EvalResults | None, publish: bool) -> None:
+    """Attempt cfg.attempt continues from `checkpoint` (None: from the starting model) and
+    `publish`es its weights at once: its actors admit nothing before they hold them."""
+    trainer.resume(checkpoint)
+    log.info("attempt %d resumes at step %d from %s", cfg.attempt, trainer.step,
+             checkpoint or "the starting model (no complete checkpoint)")
+    if publish:
+        trainer.publish_final()
+    if evals is not None:
+        # Versions of earlier attempts (deferred evaluation may still log them).
+        evals.version_time.update(step_times(cfg.run_dir / METRICS))
+        evals.made(trainer.step, time.monotonic() - trainer.started_at)
 
 
 class Trainer:
+    """The model in training: AdamW and its schedule, the optimizer steps taken (the version of
+    the weights it holds), its checkpoints and its publishing of weights."""
+
     def __init__(self, cfg: Config, model: torch.nn.Module, source: BatchSource | None,
                  sender: WeightSender | None) -> None:
         self.cfg = cfg
@@ -258,21 +335,7 @@ class Trainer:
         tc = cfg.trainer
         self.optimizer = make_optimizer(model, tc)
         self.scheduler = make_scheduler(self.optimizer, tc)
-        # The KL penalty's reference: the starting model, frozen; loaded only when used.
-        self.ref_model: torch.nn.Module | None = None
-        if tc.loss.kl_coef > 0:
-            from pipelinerl.models.hf import load_model
-
-            if is_sharded(model):  # built empty, then filled shard by shard as the model
-                ref = load_model(cfg.model.path, dtype=torch.float32, device="meta").eval()
-            else:
-                param = next(model.parameters())
-                ref = load_model(cfg.model.path, dtype=param.dtype, device=param.device).eval()
-            set_packed_attention(ref, tc)
-            self.ref_model = (
-                load_shards(shard_frozen(ref, tc.fsdp, tc.device), cfg.model.path, tc.fsdp,
-                            tc.device)
-                if is_sharded(model) else ref.requires_grad_(False))
+        self.ref_model = reference_model(cfg, model) if tc.loss.kl_coef > 0 else None
         self.step = 0  # optimizer steps taken = version of the weights the trainer holds
         self.samples_trained = 0
         self.started_at = time.monotonic()
@@ -295,8 +358,6 @@ class Trainer:
     def save_checkpoint(self, tokenizer: Any) -> Path:
         """Write a checkpoint; then, unless stream.keep_all, delete the rollouts before its
         reader offsets: no resume goes back before the newest checkpoint."""
-        from pipelinerl.checkpoint import save_checkpoint
-
         state = self.checkpoint_state()
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
                                self.scheduler, state, self.cfg.trainer.checkpoint_keep)
@@ -309,8 +370,6 @@ class Trainer:
         """Continue from checkpoint `path` (None: none was complete, start again from the
         starting model), as attempt cfg.attempt. The stream reader must already stand at the
         checkpoint's offsets; the source gets back what was read and not trained."""
-        from pipelinerl.checkpoint import load_checkpoint
-
         state: dict[str, Any] = {"samples_trained": 0, "tokens_trained": 0,
                                  "elapsed_s": 0.0, "compute_s": 0.0, "success_ema": None,
                                  "source": None, "step": 0}
@@ -320,13 +379,14 @@ class Trainer:
         for change in continue_schedule(self.scheduler, self.cfg.trainer):
             log.warning("resume: %s", change)
         self.published_version = -1  # this attempt's channel holds nothing yet
-        self.samples_trained, self.tokens_trained = state["samples_trained"], state["tokens_trained"]
+        self.samples_trained = state["samples_trained"]
+        self.tokens_trained = state["tokens_trained"]
         self.started_at = time.monotonic() - state["elapsed_s"]  # time_s continues
         self.compute_s, self.success_ema = state["compute_s"], state["success_ema"]
         if self.source is not None:  # rank 0: it alone reads the stream and keeps the history
             if state["source"] is not None:
                 self.source.restore(state["source"])
-            self.source.returned_changed = True  # the new attempt's actors learn it at once
+            self.source.given_back_changed = True  # the new attempt's actors learn it at once
             self.last_record = (state["elapsed_s"], self.source.wait_s)
             resumes = record_resume(self.cfg.run_dir, self.cfg.attempt, self.step)
             self.source.valid_upto = valid_upto(resumes)
@@ -341,21 +401,19 @@ class Trainer:
         if self.cfg.mode == "pipeline":
             while True:
                 yield self.source.take(n_groups, self.step, deadline)
-        g = self.cfg.conventional_g
+        round_steps = self.cfg.conventional_g
         while True:
             # Conventional RL: the whole round of B*G samples is generated with frozen weights
             # before the first of its G optimizer steps.
-            round_groups = self.source.take(n_groups * g, self.step, deadline)
+            round_groups = self.source.take(n_groups * round_steps, self.step, deadline)
             if round_groups is None:
                 yield None
                 continue
-            for i in range(g):
+            for i in range(round_steps):
                 yield round_groups[i * n_groups:(i + 1) * n_groups]
 
     def train_step(self, groups: list[Group], num_sequences: int | None = None) -> dict[str, Any]:
         """One optimizer step on `groups` (this rank's shard of a step of `num_sequences`)."""
-        from pipelinerl.rl.step import rl_step
-
         t0 = time.monotonic()
         metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
                           num_sequences=num_sequences, ref_model=self.ref_model)
@@ -368,15 +426,16 @@ class Trainer:
 
     def maybe_publish(self) -> None:
         """Every rank calls it (a sharded model's weights are gathered by all); rank 0 sends."""
-        every = self.cfg.conventional_g if self.cfg.mode == "conventional" else self.cfg.trainer.publish_every
+        conventional = self.cfg.mode == "conventional"
+        every = self.cfg.conventional_g if conventional else self.cfg.trainer.publish_every
         if self.step % every == 0:
-            self._publish()
+            self.publish()
 
     def publish_final(self) -> bool:
         """Publish the final weights unless this step's already went out (every rank calls
         it); False without a channel."""
         if self.published_version != self.step:
-            self._publish()
+            self.publish()
         return self.sender is not None
 
     def serve_rejoined(self) -> None:
@@ -389,10 +448,11 @@ class Trainer:
         log.warning("a restarted actor waits for weights: publishing version %d to it",
                     self.step)
         if is_sharded(self.model) and dist.get_world_size() > 1:
-            dist.broadcast_object_list([_PUBLISH_AGAIN], src=0)
-        self._publish()
+            call_to_publish()
+        self.publish()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Send the weights as version `step` (every rank of a sharded model gathers them)."""
         t0 = time.monotonic()
         # In the engines' dtype: what they hold, half of float32's bytes for bf16.
         dtype = getattr(torch, self.cfg.engine.dtype)
@@ -409,10 +469,12 @@ class Trainer:
         self.published_version = self.step
 
     def step_record(self, groups: list[Group], metrics: dict[str, Any]) -> dict[str, Any]:
+        """metrics.jsonl's row for the step just taken on `groups` (rank 0)."""
         assert self.source is not None
         samples: list[Sample] = [s for g in groups for s in g.samples]
         success = sum(s.success for s in samples) / len(samples)
-        self.success_ema = success if self.success_ema is None else 0.9 * self.success_ema + 0.1 * success
+        ema = self.success_ema
+        self.success_ema = success if ema is None else 0.9 * ema + 0.1 * success
         elapsed = time.monotonic() - self.started_at
         record: dict[str, Any] = {
             "time_s": elapsed,
@@ -435,6 +497,28 @@ class Trainer:
         self.last_record = (elapsed, self.source.wait_s)
         return record
 
+def reference_model(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """The KL penalty's reference: the starting model, frozen, laid out like `model`."""
+    tc = cfg.trainer
+    if is_sharded(model):  # built empty, then filled shard by shard as the model
+        ref = load_model(cfg.model.path, dtype=torch.float32, device="meta").eval()
+        set_packed_attention(ref, tc)
+        return load_shards(shard_frozen(ref, tc.fsdp, tc.device), cfg.model.path, tc.fsdp,
+                           tc.device)
+    param = next(model.parameters())
+    ref = load_model(cfg.model.path, dtype=param.dtype, device=param.device).eval()
+    set_packed_attention(ref, tc)
+    return ref.requires_grad_(False)
+
+
+def trainer_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights by Hugging Face name (unwrapping DistributedDataParallel's `module.`; with LoRA,
+    the base weights merged with the adapters)."""
+    if is_lora(model):
+        return merged_weights(model)
+    model = getattr(model, "module", model)
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
 
 def completion_stats(samples: list[Sample]) -> dict[str, float]:
     """Completion lengths, and the fraction cut at engine.max_new_tokens (finish_reason
@@ -443,7 +527,8 @@ def completion_stats(samples: list[Sample]) -> dict[str, float]:
     stats = {
         "completion_len_mean": sum(lengths) / len(lengths),
         "completion_len_max": max(lengths),
-        "completion_truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "completion_truncated_frac":
+            sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
     if any(s.model_mask is not None for s in samples):  # multi-turn rollouts
         env_tokens = sum(m.count(False) for s in samples if (m := s.model_mask) is not None)
@@ -482,248 +567,22 @@ def advance_progress(bar: tqdm, cfg: Config, elapsed_s: float) -> None:
 
 
 def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, float]:
-    if not per_actor:
-        return {}
+    """The actors' latest stats as one `actor_<key>` each: rates and counts summed over the
+    actors, the rest averaged."""
+    summed = ("tokens_per_s", "weight_updates", "groups_published")
     stats = list(per_actor.values())
-    keys = {k for s in stats for k in s}
-    out: dict[str, float] = {}
-    for key in keys:
-        values = [s.get(key, 0.0) for s in stats]
-        total_keys = ("tokens_per_s", "weight_updates", "groups_published")
-        agg = sum(values) if key in total_keys or key.startswith("skipped_") else sum(values) / len(values)
-        out[f"actor_{key}"] = agg
-    return out
+    combined: dict[str, float] = {}
+    for key in {k for actor in stats for k in actor}:
+        values = [actor.get(key, 0.0) for actor in stats]
+        total = key in summed or key.startswith("skipped_")
+        combined[f"actor_{key}"] = sum(values) if total else sum(values) / len(values)
+    return combined
 
 
-def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = False
-                     ) -> tuple[int, int, str]:
-    """Join the trainer's process group when started by torchrun (`sharded`: a one-rank group
-    too, FSDP2 shards over one); returns (rank, world, device).
-    `timeout_s` bounds every collective, the final barrier included: the other ranks wait there
-    while rank 0 saves and waits for the final evaluation."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and not sharded:
-        return 0, 1, device
-    rank = int(os.environ.get("RANK", "0"))
-    if device.startswith("cuda"):
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if world == 1:  # FSDP2 on one rank (CPU offload, or a run resumed on fewer ranks)
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    return rank, world, device
-
-
-# share_groups' payload when rank 0 publishes while it waits (Trainer.serve_rejoined).
-_PUBLISH_AGAIN = "publish again"
-
-
-def share_groups(groups: list[Group] | None, rank: int, world: int,
-                 publish: Callable[[], None] | None = None) -> list[Group] | None:
-    """Rank 0 read the step's groups; every rank gets its equal shard (groups are whole), or
-    None when rank 0 got none (the time budget ran out while it waited). A sharded trainer's
-    other ranks `publish` with rank 0 whenever it says so meanwhile."""
-    if world == 1:
-        return groups
-    payload = [None if rank != 0 or groups is None else [g.to_dict() for g in groups]]
-    dist.broadcast_object_list(payload, src=0)
-    while payload[0] == _PUBLISH_AGAIN:
-        assert publish is not None, "rank 0 publishes while waiting only when sharded"
-        publish()
-        dist.broadcast_object_list(payload, src=0)
-    return None if payload[0] is None else [Group.from_dict(d) for d in payload[0][rank::world]]
-
-
-def _write_trained(audit: IO[str], step: int, trained: list[str],
-                   dropped: dict[str, list[str]]) -> None:
-    """trained.jsonl's row: the groups trained at `step` and those dropped since the last row."""
-    audit.write(json.dumps({"step": step, "trained": trained, "dropped": dropped}) + "\n")
-
-
-def _out_of_time(cfg: Config, trainer: Trainer, world: int, device: str) -> bool:
-    """The wall-clock budget is rank 0's call, so every rank stops after the same step."""
-    if not cfg.trainer.max_time_s:
-        return False
-    over = time.monotonic() - trainer.started_at > cfg.trainer.max_time_s
-    return _rank0_says(over, device) if world > 1 else over
-
-
-def run_trainer(cfg: Config) -> None:
-    from pipelinerl.checkpoint import CheckpointDue, agreed_latest_checkpoint, read_state
-    from pipelinerl.eval_results import EvalResults, step_times
-    from pipelinerl.metrics.logger import METRICS, MetricsLogger
-    from pipelinerl.records import open_resumed
-    from pipelinerl.models.hf import load_model, load_tokenizer
-    from pipelinerl.roles import (
-        check_run_id_unused,
-        open_control_writer,
-        open_eval_reader,
-        open_rollout_reader,
-        open_weight_sender,
-        write_returned,
-        write_stop,
-        write_stop_unwinding,
-    )
-
-    torch.set_num_threads(cfg.trainer.threads)
-    torch.manual_seed(cfg.trainer.seed)
-    rank, world, device = init_distributed(
-        cfg.trainer.device, timeout_s=1800.0 + (cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0),
-        sharded=cfg.trainer.strategy == "fsdp2")
-    n_groups = cfg.trainer.batch_size // cfg.actor.group_size
-    if n_groups % world:
-        raise ValueError(f"trainer.batch_size / actor.group_size = {n_groups} groups per step "
-                         f"cannot be split evenly over {world} trainer ranks")
-    is_main = rank == 0
-    run_dir = cfg.run_dir
-    # A resumed run (attempt > 0) continues from its newest complete checkpoint, or from the
-    # starting model when the crashed attempt wrote none.
-    checkpoint = agreed_latest_checkpoint(run_dir) if cfg.attempt else None
-    state = read_state(checkpoint)
-    resume_step = (state or {}).get("step", 0) if cfg.attempt else None
-    logger = audit = None
-    if is_main:
-        # Refused before anything loads: a finished run's id, or another launch's files.
-        check_run_id_unused(cfg)
-        logger = MetricsLogger(run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
-                               resume_step=resume_step, attempt=cfg.attempt)
-        audit = open_resumed(run_dir / "trained.jsonl", resume_step, cfg.attempt)
-    # FSDP2: every rank builds the model empty (meta device), shards it, then receives its
-    # shards of the weights from rank 0 (`load_shards`): no rank holds the whole model.
-    fsdp = cfg.trainer.strategy == "fsdp2"
-    model = load_model(cfg.model.path, dtype=torch.float32, device="meta" if fsdp else device)
-    if cfg.model.lora is not None:
-        from pipelinerl.models.lora import apply_lora
-
-        model = apply_lora(model, cfg.model.lora)
-    model.train()
-    set_packed_attention(model, cfg.trainer)
-    wrapped = wrap_model(model, cfg.trainer, device, world)
-    sharded = is_sharded(wrapped)
-    if sharded:
-        load_shards(wrapped, cfg.model.path, cfg.trainer.fsdp, device)
-    source = sender = control = evals = None
-    if is_main:
-        offsets = state["source"]["offsets"] if state and state["source"] else None
-        control = open_control_writer(cfg)
-        source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size,
-                             stale_bound(cfg),
-                             cfg.trainer.sample_timeout_s,
-                             announce=functools.partial(write_returned, control, cfg))
-        sender = open_weight_sender(cfg)
-        if cfg.eval.enabled:
-            evals = EvalResults(open_eval_reader(cfg), logger.log, cfg.attempt)
-    trainer = Trainer(cfg, wrapped, source, sender)
-    tokenizer = load_tokenizer(cfg.model.path)
-    if resume_step is not None:
-        trainer.resume(checkpoint)
-        log.info("attempt %d resumes at step %d from %s", cfg.attempt, trainer.step,
-                 checkpoint or "the starting model (no complete checkpoint)")
-        # The actors of this attempt admit nothing before they hold these weights.
-        if is_main or sharded:
-            trainer.publish_final()
-        if is_main:
-            if evals is not None:
-                # Versions of earlier attempts (deferred evaluation may still log them).
-                evals.version_time.update(step_times(cfg.run_dir / METRICS))
-                evals.made(trainer.step, time.monotonic() - trainer.started_at)
-    due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
-                        trainer.step)
-    round_steps = cfg.conventional_g if cfg.mode == "conventional" else 1
-
-    def checkpoint_due(step: int) -> bool:
-        # Conventional mode: only between rounds, where no generated round is half-trained.
-        return due(step) and step % round_steps == 0
-
-    batches = trainer.batches() if is_main else None
-    bar = progress_bar(cfg, enabled=cfg.metrics.progress and is_main)
-    stop_written = False
-    try:
-        while trainer.step < cfg.trainer.max_steps and not _out_of_time(cfg, trainer, world, device):
-            groups = next(batches) if batches is not None else None
-            shard = share_groups(groups, rank, world, trainer._publish)
-            if shard is None:  # out of time while waiting for groups
-                if is_main:  # groups dropped meanwhile are recorded, though no step follows
-                    _write_trained(audit, trainer.step, [], trainer.source.take_dropped_ids())
-                break
-            metrics = trainer.train_step(shard, num_sequences=cfg.trainer.batch_size)
-            if sharded or is_main:
-                trainer.maybe_publish()
-            if is_main:
-                assert groups is not None and logger is not None and audit is not None
-                record = trainer.step_record(groups, metrics)
-                logger.log(trainer.step, record)
-                _write_trained(audit, trainer.step, [g.group_id for g in groups],
-                               trainer.source.take_dropped_ids())
-            # After the step's records, which a resume from this checkpoint keeps.
-            save = checkpoint_due(trainer.step) if is_main else False
-            if sharded:
-                save = _rank0_says(save, device)  # rank 0's clock decides; every rank writes
-            if save:
-                trainer.save_checkpoint(tokenizer)
-                due.done(trainer.step)
-            if not is_main:
-                continue
-            if evals is not None:
-                evals.made(trainer.step, record["time_s"])
-                evals.drain()
-            advance_progress(bar, cfg, record["time_s"])
-            bar.set_postfix(step=trainer.step, reward=f"{record['reward']:.2f}",
-                            success=f"{record['success_ema']:.2f}",
-                            ess=f"{record.get('ess', float('nan')):.3f}",
-                            lag=f"{record.get('lag_mean', float('nan')):.2f}")
-        if is_main or sharded:
-            # Before the stop record: the actors, and after them the launcher, leave only once
-            # the final weights are on disk, so a slow save is never cut short. The last
-            # checkpoint lets `--resume` extend a finished run.
-            _save_final(cfg, model, tokenizer, is_main)
-            if trainer.step % round_steps == 0 and due.last_step != trainer.step:
-                trainer.save_checkpoint(tokenizer)
-            # The evaluator takes the final weights from the channel once the stop record
-            # says they are there; the plot waits for its result.
-            final_published = cfg.eval.enabled and trainer.publish_final()
-        if is_main:
-            write_stop(control, cfg, trainer.step, final_published=final_published)
-            stop_written = True
-            if final_published:
-                evals.wait_final(cfg.eval.final_timeout_s)
-            if cfg.metrics.plot:
-                _plot(cfg, logger.path)
-        if world > 1:
-            # The other ranks wait for rank 0's save, so all leave the group together: a rank
-            # that tore down its DDP model and group early left rank 0 hanging at exit.
-            dist.barrier()
-    finally:
-        bar.close()
-        if is_main:
-            if not stop_written:
-                write_stop_unwinding(control, cfg, trainer.step)
-            control.close()
-            if evals is not None:
-                evals.reader.close()
-            logger.close()
-            audit.close()
-            if sender is not None:
-                sender.close()
-        if dist.is_initialized():
-            trainer.model = wrapped = None  # DDP's reducer goes before the group it uses
-            dist.destroy_process_group()
-
-
-def _save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, is_main: bool) -> None:
+def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, is_main: bool) -> None:
     """The trained model as `final/` (atomically); with LoRA, merged, and the adapter alone
     as `final_adapter/`. A sharded model is gathered to rank 0's memory, tensor by tensor
     (every rank calls this)."""
-    from pipelinerl.models.hf import save_model
-    from pipelinerl.models.lora import to_save
-
     state = full_state_dict(model) if is_sharded(model) else None
     if not is_main:
         return
@@ -732,15 +591,9 @@ def _save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, is_main: bo
     log.info("saved final weights to %s", final)
 
 
-def _rank0_says(flag: bool, device: str) -> bool:
-    """Rank 0's `flag` on every rank (a decision that reads rank 0's clock)."""
-    t = torch.tensor([float(flag)], device=device)  # NCCL broadcasts no CPU tensor
-    dist.broadcast(t, src=0)
-    return bool(t.item())
-
-
 def _plot(cfg: Config, metrics_path: Path) -> None:
-    from pipelinerl.records import read_rows
+    """metrics.png: the run's metrics rows drawn."""
+    # Lazy: matplotlib costs 0.8-1.7 s (python -X importtime); only rank 0 plots, at the end.
     from pipelinerl.metrics.plot import plot_run
 
     plot_run(read_rows(metrics_path), cfg.run_dir / "metrics.png", title=cfg.name)

@@ -1,4 +1,5 @@
-"""One optimizer step of the RL algorithm over a batch of groups (on one rank or several)."""
+"""One optimizer step of the RL algorithm over a batch of groups, on one rank or several
+(DDP, or FSDP2 shards)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def rl_step(
     """Advantages, micro-batched loss and backward, gradient clipping, optimizer step.
 
     `groups` is this rank's shard; `num_sequences` the number of sequences in the whole step
-    across ranks (B in the loss). `model` may be wrapped in DistributedDataParallel: its
-    gradients are then all-reduced once, on the last micro-batch. `ref_model`: the frozen
+    across ranks (B in the loss). `model` may be wrapped in DistributedDataParallel (its
+    gradients all-reduced once, on the last micro-batch) or sharded by FSDP2 (every rank runs as
+    many micro-batch passes as the busiest: each pass gathers weights). `ref_model`: the frozen
     reference of `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics:
     loss, grad norm, and `LossStats` (ESS, lag, mismatch) over every trained token of every rank.
     The forward and backward run in `trainer.precision`.
