@@ -25,6 +25,7 @@ from pipelinerl.config import MetricsConfig, load_config
 from pipelinerl.metrics.logger import MetricsLogger
 from pipelinerl.records import open_append, open_resumed, read_rows
 from pipelinerl.streams import open_reader, open_writer
+from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
 from pipelinerl.attempts import ATTEMPTS_FILE, read_resumes, record_resume, valid_upto
 from pipelinerl.batches import BatchSource
 from pipelinerl.trainer import Trainer
@@ -299,6 +300,24 @@ def test_a_wait_for_groups_ends_when_max_time_s_runs_out(tmp_path: Path, mode: s
     assert next(trainer.batches()) is None
     assert 1.0 < time.monotonic() - trainer.started_at < 10.0
     assert [g["group_id"] for g in trainer.source.snapshot()["buffered"]] == ["s0-g0"]
+
+
+def test_a_run_that_ends_before_its_first_step_publishes_no_final_weights(tmp_path: Path) -> None:
+    """trainer.max_time_s ran out before the first step, eval on: the trainer said its final
+    weights were published and the evaluator waited for a version that never came (found by
+    benchmarks/gpu.py check 8 --quick: killed after 260 s)."""
+    cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
+                                 "trainer.batch_size=8", "actor.group_size=4"])
+    sender = ShmWeightSender(f"final-{tmp_path.name}", shm_dir=tmp_path)
+    receiver = ShmWeightReceiver(f"final-{tmp_path.name}", shm_dir=tmp_path)
+    try:
+        trainer = Trainer(cfg, tiny_hf_model("qwen2", seed=1).train(), source=None, sender=sender)
+        assert trainer.publish_final() is False and receiver.poll() is None
+        trainer.step = 1  # one step taken: its weights go out
+        assert trainer.publish_final() is True and receiver.poll() == 1
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_groups_made_with_weights_lost_in_a_crash_are_dropped_whatever_the_step(tmp_path: Path) -> None:

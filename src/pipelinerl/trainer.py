@@ -433,10 +433,12 @@ class Trainer:
 
     def publish_final(self) -> bool:
         """Publish the final weights unless this step's already went out (every rank calls
-        it); False without a channel."""
+        it); whether the channel holds them. A run that ends before its first step has
+        nothing to publish: every role holds version 0 (an evaluator waiting for it would wait
+        until sync.timeout_s, die and wait again on each restart)."""
         if self.published_version != self.step:
             self.publish()
-        return self.sender is not None
+        return self.sender is not None and self.published_version > 0
 
     def serve_rejoined(self) -> None:
         """Rank 0, while it waits for groups: an actor restarted since the last publish gets
