@@ -134,10 +134,11 @@ class Measure:
 
 def run_actor(model_dir: Path, tokenizer: Any, delay_s: float, inline: bool,
               warmup_s: float, measure_s: float) -> Measure:
-    from pipelinerl.actor import Actor, Schedule
+    from pipelinerl.actor import Actor, Streams
+    from pipelinerl.config import Config
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.hf import encode_prompt
-    from pipelinerl.types import SamplingParams
+    from pipelinerl.models.prompts import Codec
 
     engine = TorchEngine.from_pretrained(model_dir, capacity=CAPACITY, max_seq_len=128, seed=0)
     trainer = InstantTrainer()
@@ -156,17 +157,20 @@ def run_actor(model_dir: Path, tokenizer: Any, delay_s: float, inline: bool,
             raise RuntimeError(f"no group was published within {MAX_WARMUP_S:.0f} s")
         return "t0" in marks and now - marks["t0"] > measure_s
 
-    actor = Actor(
-        engine=engine, task=task, encode=lambda text: encode_prompt(tokenizer, text),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        sampling=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0),
-        schedule=Schedule(batch_size=BATCH_SIZE, group_size=GROUP_SIZE, max_lag=MAX_LAG),
-        writer=trainer, receiver=VersionChannel(trainer), should_stop=should_stop,
-        max_seq_len=128, verifier_timeout_s=10.0, verifier_workers=1 if inline else WORKERS,
-    )
+    cfg = Config(trainer={"batch_size": BATCH_SIZE},
+                 engine={"max_new_tokens": MAX_NEW_TOKENS, "max_seq_len": 128,
+                         "temperature": 1.0, "capacity": CAPACITY},
+                 actor={"group_size": GROUP_SIZE, "max_lag": MAX_LAG, "verifier_timeout_s": 10.0,
+                        "verifier_workers": 1 if inline else WORKERS})
+    codec = Codec(encode=lambda text: encode_prompt(tokenizer, text),
+                  decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                  encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                  stop_ids=())
+    streams = Streams(trainer, VersionChannel(trainer), should_stop=should_stop)
+    actor = Actor(cfg, engine, task, codec, streams)
     if inline:
         actor.scorer.close()
-        actor.scorer = InlineScorer(task)  # type: ignore[assignment]
+        actor.scorer = actor.collector.scorer = InlineScorer(task)  # type: ignore[assignment]
     start = time.monotonic()
     actor.run()
     wall = time.monotonic() - marks["t0"]

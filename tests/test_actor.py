@@ -16,12 +16,14 @@ import pytest
 from fake_tasks import DiesAtStartTask, FakeTask
 from tiny_models import VOCAB, tiny_hf_model
 
-from pipelinerl.admission import LocalLedger
-from pipelinerl.actor import Actor, ActorStats, Schedule
+from pipelinerl.admission import LocalLedger, MemoryLedger
+from pipelinerl.actor import Actor, ActorStats, Schedule, Streams
+from pipelinerl.config import Config
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.math import MathTask
-from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipelinerl.models.prompts import Codec
+from pipelinerl.types import GenerationOutput, GenerationRequest
 
 
 class ListWriter:
@@ -112,14 +114,23 @@ def stop_after(seconds: float, also: Callable[[], bool] = lambda: False) -> Call
     return lambda: also() or time.monotonic() > deadline
 
 
-def make_actor(engine: Any, task: Any, schedule: Schedule, **kwargs: Any) -> Actor:
-    args: dict[str, Any] = dict(
-        engine=engine, task=task, encode=encode, decode=decode,
-        sampling=SamplingParams(max_new_tokens=8, stop_token_ids=(0,)),
-        schedule=schedule, writer=ListWriter(), receiver=None,
-        should_stop=stop_after(30), max_seq_len=40, verifier_timeout_s=5.0, verifier_workers=1,
-    )
-    return Actor(**{**args, **kwargs})
+def make_actor(engine: Any, task: Any, schedule: Schedule, *, engine_cfg: dict[str, Any] = {},
+               writer: Any = None, receiver: Any = None, ledger: Any = None,
+               should_stop: Callable[[], bool] | None = None, actor_id: int = 0,
+               predecessor: dict[str, Any] | None = None, endpoint: Any = None,
+               episodes: Any = None, **actor_cfg: Any) -> Actor:
+    """An actor of a run whose admission is `schedule`; `engine_cfg` and `actor_cfg` set that
+    run's engine and actor sections."""
+    cfg = Config(
+        mode="conventional" if schedule.conventional_g else "pipeline",
+        conventional_g=schedule.conventional_g or 1, trainer={"batch_size": schedule.batch_size},
+        engine={"max_new_tokens": 8, "max_seq_len": 40, **engine_cfg},
+        actor={"group_size": schedule.group_size, "max_lag": schedule.max_lag,
+               "verifier_timeout_s": 5.0, "verifier_workers": 1, **actor_cfg})
+    streams = Streams(writer or ListWriter(), receiver, ledger or MemoryLedger(),
+                      should_stop or stop_after(30))
+    return Actor(cfg, engine, task, Codec(encode, decode, encode, stop_ids=(0,)), streams,
+                 actor_id=actor_id, predecessor=predecessor, endpoint=endpoint, episodes=episodes)
 
 
 def torch_engine(capacity: int) -> TorchEngine:
@@ -191,12 +202,12 @@ def test_long_prompt_is_skipped_counted_and_takes_no_quota(tmp_path, caplog):
     actor = make_actor(torch_engine(capacity=8), task, schedule)
     with caplog.at_level(logging.WARNING, logger="pipelinerl.actor"):
         actor.run(max_groups=2)
-    groups = actor.writer.records
+    groups = actor.streams.writer.records
     assert len(groups) == 2 and {g["prompt"] for g in groups} <= {"1+1", "2+2"}
     assert actor.stats.skipped["prompt_too_long"] >= 1
     assert actor.stats.skipped_ids["prompt_too_long"] == {"math:2"}
     # Its orderly stop tells the audit (pipelinerl audit) the groups it dropped.
-    assert actor.writer.heartbeats[-1]["skipped"] == dict(actor.stats.skipped)
+    assert actor.streams.writer.heartbeats[-1]["skipped"] == dict(actor.stats.skipped)
     warnings = [r.getMessage() for r in caplog.records if "too long" in r.getMessage()]
     assert len(warnings) == 1  # once, however many times such prompts are drawn
     assert all(s in warnings[0] for s in ("math:2", "100 tokens", "at most 32",
@@ -276,7 +287,7 @@ def test_zero_variance_groups_are_dropped_counted_and_replaced(drop: bool):
     engine = ParityEngine(capacity=8)
     actor = make_actor(engine, FakeTask(), schedule, drop_zero_variance=drop)
     actor.run(max_groups=4)
-    records = actor.writer.records
+    records = actor.streams.writer.records
     ids = sorted(g["group_id"] for g in records)
     if not drop:
         assert ids == ["a0-g0", "a0-g1", "a0-g2", "a0-g3"]

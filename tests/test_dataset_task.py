@@ -206,7 +206,7 @@ def test_an_actor_publishes_its_data_position_and_its_successor_continues_there(
     task = _task(path, shuffle_seed=1)
     actor = make_actor(FakeEngine(capacity=8), task, schedule)
     actor.run(max_groups=6)
-    records = [r for r in actor.writer.records if "group_id" in r]
+    records = [r for r in actor.streams.writer.records if "group_id" in r]
     positions = [r["data_pos"] for r in records]
     # The oldest problem not yet published: never past what was drawn, never going back.
     assert positions == sorted(positions) and 0 < positions[-1] <= task.position
@@ -219,7 +219,7 @@ def test_an_actor_publishes_its_data_position_and_its_successor_continues_there(
     assert successor_task.position == positions[-1]
     plain = make_actor(FakeEngine(), ChainArithmeticTask(), schedule)
     plain.run(max_groups=1)
-    plain_positions = {r["data_pos"] for r in plain.writer.records if "group_id" in r}
+    plain_positions = {r["data_pos"] for r in plain.streams.writer.records if "group_id" in r}
     assert plain_positions == {None}  # a task without positions
 
 

@@ -215,8 +215,6 @@ def test_a_resumed_evaluator_evaluates_the_checkpoints_version_unless_it_was_log
     The crashed attempt's result for version 4, if any, counts only once in metrics.jsonl: the
     trainer logs no other attempt's results."""
     import pipelinerl.evaluation as evaluation
-    import pipelinerl.models.hf as hf
-    import pipelinerl.roles as roles
 
     cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
                                  "attempt=1", "eval.every_steps=1", "eval.every_s=0"])
@@ -229,10 +227,10 @@ def test_a_resumed_evaluator_evaluates_the_checkpoints_version_unless_it_was_log
     stop = {"type": "stop", "attempt": 1, "step": 4, "final_published": True}
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(evaluation, "build_eval_setup", lambda cfg, path: (setup, _Engine()))
-    monkeypatch.setattr(hf, "load_model", lambda *a, **kw: torch.nn.Linear(1, 1))
-    monkeypatch.setattr(roles, "open_weight_receiver", lambda *a, **kw: _Receiver(4))
-    monkeypatch.setattr(roles, "open_eval_writer", lambda cfg: results)
-    monkeypatch.setattr(roles, "open_control_reader", lambda cfg: _Records([stop]))
+    monkeypatch.setattr(evaluation, "load_model", lambda *a, **kw: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(evaluation, "open_weight_receiver", lambda *a, **kw: _Receiver(4))
+    monkeypatch.setattr(evaluation, "open_eval_writer", lambda cfg: results)
+    monkeypatch.setattr(evaluation, "open_control_reader", lambda cfg: _Records([stop]))
     evaluation.run_evaluator(cfg)
     assert setup.evaluated == ([] if logged_before_the_crash else [4])
     final = {"version": 4, "final": True, "attempt": 1}
@@ -282,8 +280,6 @@ class _LoadingEngine(_Engine):
 def test_deferred_evaluation_keeps_each_due_version_and_evaluates_them_after_the_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pipelinerl.evaluation as evaluation
-    import pipelinerl.models.hf as hf
-    import pipelinerl.roles as roles
     from pipelinerl.eval_snapshots import SNAPSHOTS_DIR
 
     cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
@@ -294,10 +290,10 @@ def test_deferred_evaluation_keeps_each_due_version_and_evaluates_them_after_the
     threads: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(evaluation, "build_eval_setup", lambda cfg, path: (setup, engine))
-    monkeypatch.setattr(hf, "load_model", lambda *a, **kw: torch.nn.Linear(2, 2))
-    monkeypatch.setattr(roles, "open_weight_receiver", lambda *a, **kw: _Publishing([2, 4]))
-    monkeypatch.setattr(roles, "open_eval_writer", lambda cfg: results)
-    monkeypatch.setattr(roles, "open_control_reader", lambda cfg: _StopAfter(stop, 3))
+    monkeypatch.setattr(evaluation, "load_model", lambda *a, **kw: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(evaluation, "open_weight_receiver", lambda *a, **kw: _Publishing([2, 4]))
+    monkeypatch.setattr(evaluation, "open_eval_writer", lambda cfg: results)
+    monkeypatch.setattr(evaluation, "open_control_reader", lambda cfg: _StopAfter(stop, 3))
     evaluation.run_evaluator(cfg)
     # nothing evaluated while the run went on: versions 0, 2, 4, each with its own weights
     # (starting model: the stand-in's; then filled with the version), after it

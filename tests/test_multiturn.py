@@ -71,9 +71,8 @@ def multiturn_actor(hang: frozenset[str] = frozenset(), fail: frozenset[str] = f
     env = FakeEnv(stop=char_of(first), reply="xy", turn_reward=0.25, env_hang=hang,
                   env_fail=fail, prompt=prompt)
     actor = make_actor(engine, env, Schedule(batch_size=4, group_size=2, max_lag=100),
-                       sampling=SamplingParams(max_new_tokens=12, temperature=0.0,
-                                               stop_token_ids=(0,)),
-                       encode_text=encode, env_workers=3, **kwargs)
+                       engine_cfg={"max_new_tokens": 12, "temperature": 0.0}, env_workers=3,
+                       **kwargs)
     return actor, hf, engine
 
 
@@ -81,7 +80,7 @@ def multiturn_actor(hang: frozenset[str] = frozenset(), fail: frozenset[str] = f
 def test_rollouts_carry_exact_provenance_across_turns() -> None:
     actor, hf, _ = multiturn_actor(should_stop=stop_after(60))
     actor.run(max_groups=3)
-    groups = [Group.from_dict(r) for r in actor.writer.records if "samples" in r]
+    groups = [Group.from_dict(r) for r in actor.streams.writer.records if "samples" in r]
     assert len(groups) >= 3
     reply = encode("xy")
     for s in (s for g in groups for s in g.samples):
@@ -113,8 +112,8 @@ def test_a_hanging_tool_is_counted_and_does_not_block_other_sequences() -> None:
     actor, _, _ = multiturn_actor(hang=frozenset({"fake:0"}), fail=frozenset({"fake:1"}),
                                   writer=TimedWriter(), env_timeout_s=4.0)
     t0 = time.monotonic()
-    actor.should_stop = lambda: (actor.stats.skipped["env_timeout"] > 0
-                                 or time.monotonic() - t0 > 60)
+    actor.streams.should_stop = lambda: (actor.stats.skipped["env_timeout"] > 0
+                                         or time.monotonic() - t0 > 60)
     actor.run()
     assert actor.stats.skipped["env_timeout"] == 1 and actor.stats.skipped["env_error"] == 1
     # Groups went on being published while the hanging calls waited for their deadline.

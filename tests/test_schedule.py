@@ -96,12 +96,16 @@ def test_pipeline_admission_keeps_lag_within_bound(max_lag):
     assert max(lags) == max_lag
 
 
+def _may_start(s: Schedule, place: int, version: int) -> bool:
+    return place < s.limit(version)
+
+
 def test_conventional_generates_one_round_with_frozen_weights():
     s = Schedule(batch_size=8, group_size=4, max_lag=0, conventional_g=4)
     # Round 0 (version 0): exactly B*G/group_size = 8 groups may start, then none until version 4.
     assert s.limit(0) == s.limit(3) == 8 and s.limit(4) == 16
-    assert s.may_start(7, version=0) and not s.may_start(8, version=0)
-    assert not s.may_start(8, version=3) and s.may_start(8, version=4)
+    assert _may_start(s, 7, version=0) and not _may_start(s, 8, version=0)
+    assert not _may_start(s, 8, version=3) and _may_start(s, 8, version=4)
     lags = _simulate([s], steps=40)
     assert sorted(set(lags)) == [0, 1, 2, 3]
 

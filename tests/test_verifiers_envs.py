@@ -216,9 +216,9 @@ def test_an_actor_publishes_whole_groups_of_episodes_under_admission(
     served.driver.stop()  # the actor's own loop drives the engine and the endpoint now
     schedule = Schedule(batch_size=4, group_size=2, max_lag=0)  # 2 groups may ever start
     actor = make_actor(served.engine, task, schedule, endpoint=served.endpoint, episodes=runner,
-                       should_stop=stop_after(120), max_seq_len=MAX_LEN)
+                       should_stop=stop_after(120), engine_cfg={"max_seq_len": MAX_LEN})
     actor.run(max_groups=2)
-    groups = actor.writer.records
+    groups = actor.streams.writer.records
     assert [len(g["samples"]) for g in groups] == [2, 2]
     assert {g["group_id"] for g in groups} == {"a0-g0", "a0-g1"} and actor.claimed() == 2
     for g in groups:
@@ -332,9 +332,10 @@ def test_a_failing_environment_drops_its_group_counted(
     served.driver.stop()
     schedule = Schedule(batch_size=2, group_size=2, max_lag=0)
     actor = make_actor(served.engine, task, schedule, endpoint=served.endpoint, episodes=runner,
-                       should_stop=stop_after(8), max_seq_len=MAX_LEN)
+                       should_stop=stop_after(8), engine_cfg={"max_seq_len": MAX_LEN})
     actor.run()
-    assert actor.writer.records == [] or all(r.get("heartbeat") for r in actor.writer.records)
+    records = actor.streams.writer.records
+    assert records == [] or all(r.get("heartbeat") for r in records)
     # One place may ever be used (max_lag 0, one group a step): a second group could start
     # only because the first, dropped, gave its place back.
     assert actor.stats.skipped[reason] >= 2

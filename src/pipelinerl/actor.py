@@ -1,9 +1,14 @@
 """The actor role: keeps the engine full, groups attempts, scores them, publishes groups.
 
-Loop (paper, "Actor"): load new weights if the trainer published some (between two decode
-steps), top the engine up with new prompt groups while the staleness bound allows, publish the
-groups whose scores came back, run one decode step, and hand the groups whose attempts have
-all finished to the scorer (worker processes: verification never stops decoding).
+`run_actor` builds one actor process (its streams, tokenizer, engine, weight receiver, task,
+generate endpoint and episodes) and runs it. Each turn of the loop (`Actor.run`), between two
+decode steps: load the trainer's new weights if it published some; publish the groups whose
+scores came back and the environment episodes that came back scored; apply the environment
+replies that came back; add the endpoint's waiting HTTP requests to the batch; start new
+groups while the staleness bound (`Schedule`) admits them; heartbeat if nothing was written
+for a while; run one decode step (or wait, when nothing can be decoded). A finished sequence
+answers its HTTP request or ends an attempt; a group whose attempts are all in goes to the
+scorer (worker processes: verification never stops decoding).
 """
 
 from __future__ import annotations
@@ -15,28 +20,33 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+from transformers import PreTrainedTokenizerBase
+
 from pipelinerl.admission import Ledger, MemoryLedger
-from pipelinerl.engine.base import Engine
+from pipelinerl.config import Config
+from pipelinerl.engine import Engine, make_engine
+from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.generation import sampling_from_config
-from pipelinerl.rl.advantages import Truncated, zero_variance
+from pipelinerl.models.prompts import Codec, text_codec
+from pipelinerl.rl.advantages import zero_variance
+from pipelinerl.roles import (
+    Control,
+    open_admission_ledger,
+    open_control_reader,
+    open_rollout_writer,
+    open_weight_receiver,
+)
 from pipelinerl.scoring import Scored, Scorer
-from pipelinerl.streams.base import StreamWriter
+from pipelinerl.streams.base import StreamWriter, WriterStateLost
 from pipelinerl.sync.base import WeightReceiver
+from pipelinerl.tasks import make_train_task
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.environment import is_environment
-from pipelinerl.types import (
-    HEARTBEAT_S,
-    GenerationOutput,
-    GenerationRequest,
-    Group,
-    Sample,
-    SamplingParams,
-)
+from pipelinerl.types import HEARTBEAT_S, GenerationOutput, GenerationRequest, Group, Sample
 
-if TYPE_CHECKING:  # aiohttp and verifiers are imported only by an actor that uses them
-    from transformers import PreTrainedTokenizerBase
-
+if TYPE_CHECKING:  # imported when used: aiohttp costs 0.2-0.6 s (python -X importtime)
     from pipelinerl.endpoint import GenerateEndpoint
     from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
 
@@ -48,27 +58,21 @@ MAX_LONG_PROMPTS_IN_A_ROW = 1000  # draws that all fail to fit: the data or conf
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which groups the actors may start, given the weights an actor holds: exact quotas.
-
-    Groups hold places, numbered from 0 over the whole run (pipelinerl.admission's ledger
-    counts them over every actor). With K = batch_size // group_size groups per optimizer
-    step, the group in place g is expected to be trained at step g // K, so started under
-    weights of version v its first token has lag g // K - v. (The trainer takes groups in
-    arrival order: a group whose generation runs long is trained later, and dropped by the
-    trainer's filter if that makes it too stale.)
-    - pipeline: start a group in place g only if g // K - v <= max_lag: exactly the groups of
-      steps up to v + max_lag are admitted, whatever each actor's pace.
-    - conventional: with the frozen weights of round r = v // C (C = conventional_g), start
-      exactly the groups of round r's C steps, then wait for the trainer's C steps.
-    A group an actor drops itself (failed verification, zero reward variance with
-    actor.drop_zero_variance) or the trainer drops (stale, malformed: it sends the count on the
-    control stream) gives its place back, and a later group takes it: batches stay whole.
-    """
+    """Which groups may start under weights of version v: places are numbered over the run
+    (pipelinerl.admission counts them over every actor) and place g is trained at step g // K,
+    K = batch_size // group_size. Pipeline: g // K - v <= max_lag. Conventional: the groups of
+    the C = conventional_g steps of round v // C. A dropped group gives its place back."""
 
     batch_size: int
     group_size: int
     max_lag: int
     conventional_g: int = 0  # 0: pipeline mode
+
+    @classmethod
+    def of(cls, cfg: Config) -> Schedule:
+        return cls(batch_size=cfg.trainer.batch_size, group_size=cfg.actor.group_size,
+                   max_lag=cfg.actor.max_lag,
+                   conventional_g=cfg.conventional_g if cfg.mode == "conventional" else 0)
 
     def limit(self, version: int) -> int:
         """Places below this may be in use while an actor holds weights of `version`."""
@@ -77,8 +81,24 @@ class Schedule:
             return (version // self.conventional_g + 1) * self.conventional_g * per_step
         return (version + self.max_lag + 1) * per_step
 
-    def may_start(self, place: int, version: int) -> bool:
-        return place < self.limit(version)
+
+@dataclass
+class Streams:
+    """An actor's ends of the run's streams: groups and heartbeats out (`writer`), weights in
+    (`receiver`; None: they never change), its admission claims (`ledger`), and the trainer's
+    stop and dropped groups, over every actor (`should_stop`, `returned`)."""
+
+    writer: StreamWriter
+    receiver: WeightReceiver | None = None
+    ledger: Ledger = field(default_factory=MemoryLedger)  # this actor alone, in memory
+    should_stop: Callable[[], bool] = lambda: False
+    returned: Callable[[], int] = lambda: 0
+
+    def close(self) -> None:
+        self.writer.close()
+        self.ledger.close()
+        if self.receiver is not None:
+            self.receiver.close()
 
 
 @dataclass
@@ -143,104 +163,66 @@ class ActorStats:
 
 
 class Actor:
-    def __init__(
-        self,
-        *,
-        engine: Engine,
-        task: Task,
-        encode: Callable[[str], list[int]],
-        decode: Callable[[list[int]], str],
-        sampling: SamplingParams,
-        schedule: Schedule,
-        writer: StreamWriter,
-        receiver: WeightReceiver | None,
-        should_stop: Callable[[], bool],
-        max_seq_len: int,
-        actor_id: int = 0,
-        seed: int = 0,
-        verifier_timeout_s: float = 10.0,
-        verifier_workers: int = 2,
-        drop_zero_variance: bool = False,
-        truncated: Truncated = "keep",
-        truncated_reward: float = 0.0,
-        ledger: Ledger | None = None,
-        returned: Callable[[], int] = lambda: 0,
-        predecessor: dict[str, Any] | None = None,
-        attempt: int = 0,
-        encode_text: Callable[[str], list[int]] | None = None,
-        env_timeout_s: float = 10.0,
-        env_workers: int = 2,
-        endpoint: GenerateEndpoint | None = None,
-        episodes: EpisodeRunner | None = None,
-    ) -> None:
-        """`ledger`: the run's admission ledger (None: this actor alone, in memory).
-        `returned`: how many published groups the trainer dropped, over every actor (the
-        control stream's count). `predecessor`: the newest record an earlier process of this
-        actor wrote (its stream's last): this one continues its count and waits for the
-        trainer's current weights before starting anything. With an environment (a task with
-        `respond`, pipelinerl.tasks.environment) rollouts are multi-turn: `encode_text` tokenises its turn
-        stops and replies, which it computes in `env_workers` processes under `env_timeout_s`.
-        `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.endpoint).
-        `episodes`: the task is an environment of another library (verifiers), whose
-        episodes call the endpoint and are scored by the environment (pipelinerl.envs.verifiers);
-        a group then holds its place from its start until its episodes come back."""
+    """One actor process's loop (see the module docstring), as `cfg` says. `predecessor`: the
+    newest record an earlier process of this actor wrote (its stream's last): this one
+    continues its count and waits for the trainer's current weights before starting anything.
+    `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.endpoint).
+    `episodes`: the task is an environment of another library (verifiers), whose episodes call
+    the endpoint and are scored by the environment (pipelinerl.envs.verifiers); a group then
+    holds its place from its start until its episodes come back. A task with `respond`
+    (pipelinerl.tasks.environment) is an environment: its rollouts are multi-turn."""
+
+    def __init__(self, cfg: Config, engine: Engine, task: Task, codec: Codec, streams: Streams,
+                 *, actor_id: int = 0, predecessor: dict[str, Any] | None = None,
+                 endpoint: GenerateEndpoint | None = None, episodes: EpisodeRunner | None = None
+                 ) -> None:
+        self.cfg = cfg
         self.engine = engine
         self.task = task
-        self.encode = encode
-        self.decode = decode
-        self.sampling = sampling
-        self.group_size = schedule.group_size
-        self.schedule = schedule
-        self.writer = writer
-        self.receiver = receiver
-        self.should_stop = should_stop
+        self.codec = codec
+        self.streams = streams
         self.actor_id = actor_id
-        self.max_seq_len = max_seq_len
-        self.max_prompt_tokens = max_seq_len - sampling.max_new_tokens
-        self.episodes = episodes
-        # Episodes are scored by their environment: no verifier processes.
-        self.scorer = None if episodes else Scorer(task, verifier_timeout_s, verifier_workers)
-        self.rollouts: Rollouts | None = None
-        if is_environment(task):
-            if encode_text is None:
-                raise ValueError(f"task {task.name!r} is an environment: the actor needs encode_text")
-            self.rollouts = Rollouts(task, engine, encode_text, decode, sampling, env_timeout_s,
-                                     env_workers)
-        self.drop_zero_variance = drop_zero_variance
         self.endpoint = endpoint
-        # How the trainer's advantages read rewards (trainer.loss.truncated), so that a group
-        # is called zero-variance exactly when its advantages will all be 0.
-        self.truncated, self.truncated_reward = truncated, truncated_reward
+        self.episodes = episodes
+        self.sampling = sampling_from_config(cfg.engine, codec.stop_ids)
+        self.schedule = Schedule.of(cfg)
+        self.group_size = cfg.actor.group_size
+        self.max_prompt_tokens = cfg.engine.max_seq_len - cfg.engine.max_new_tokens
+        # Episodes are scored by their environment: no verifier processes.
+        self.scorer = (None if episodes else
+                       Scorer(task, cfg.actor.verifier_timeout_s, cfg.actor.verifier_workers))
+        self.collector = (None if self.scorer is None else
+                          GroupCollector(self.scorer, codec.decode))
+        self.rollouts = (Rollouts(task, engine, codec.encode_text, codec.decode, self.sampling,
+                                  cfg.actor.env_timeout_s, cfg.actor.env_workers)
+                         if is_environment(task) else None)
         self.stats = ActorStats()
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
-        self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.returned = returned
-        self.attempt = attempt
         self.published = 0  # groups published, by earlier processes of this actor too
         self._refused: tuple[int, int, float] | None = None  # (limit, returned, when)
         self._last_write = time.monotonic()  # of a group or a heartbeat
         self._next_group = 0  # for unique group ids
         # Which process of this actor: in the ids of its groups, which are numbered as they
         # start and published as they finish (so a predecessor's last one is not its highest).
-        self._generation = next_generation(predecessor)
+        self.restart = next_restart(predecessor)
         # Each process draws its own problems: one seeded like its predecessor would replay
         # the run's first ones after every restart or resume.
-        self.rng = random.Random(process_seed(seed, actor_id, self._generation))
+        self.rng = random.Random(process_seed(cfg.actor.seed + cfg.seed, actor_id, self.restart))
         # An actor that continues another (a restart, a resumed run) starts nothing under the
         # starting model's weights: it waits for the trainer's current ones.
-        self.needs_weights = predecessor is not None and receiver is not None
+        self.needs_weights = predecessor is not None and streams.receiver is not None
         if predecessor is not None:
             self.published = int(predecessor["seq"])
             if predecessor.get("data_pos") is not None:
                 self.task.seek(predecessor["data_pos"])
         # This actor's claim: published + started and not yet published (none yet).
-        self.ledger.set(actor_id, self.published)
+        self.streams.ledger.set(actor_id, self.published)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_groups: int | None = None) -> None:
         try:
-            while not self.should_stop():
+            while not self.streams.should_stop():
                 if max_groups is not None and self.stats.groups_published >= max_groups:
                     break
                 self.maybe_update_weights()
@@ -306,15 +288,17 @@ class Actor:
     def heartbeat(self) -> None:
         """What this actor is doing, and the groups it dropped so far (for the audit)."""
         self._last_write = time.monotonic()
-        self.writer.write({"heartbeat": True, "actor_id": self.actor_id, "attempt": self.attempt,
-                           "version": self.engine.version, "in_flight": self.in_flight,
-                           "claimed": self.claimed(), "limit": self.schedule.limit(self.engine.version),
-                           "returned": self.returned(), "waiting_for_weights": self.needs_weights,
-                           # Episodes between two model calls hold no engine request.
-                           "blocked": self.in_flight == 0 and not self._episodes_running(),
-                           "seq": self.published,
-                           "generation": self._generation, "data_pos": self.data_pos(),
-                           "skipped": dict(self.stats.skipped)})
+        version = self.engine.version
+        self.streams.writer.write({
+            "heartbeat": True, "actor_id": self.actor_id, "attempt": self.cfg.attempt,
+            "version": version, "in_flight": self.in_flight, "claimed": self.claimed(),
+            "limit": self.schedule.limit(version), "returned": self.streams.returned(),
+            "waiting_for_weights": self.needs_weights,
+            # Episodes between two model calls hold no engine request.
+            "blocked": self.in_flight == 0 and not self._episodes_running(),
+            "seq": self.published,
+            "generation": self.restart,  # the restart number, under its key in existing runs
+            "data_pos": self.data_pos(), "skipped": dict(self.stats.skipped)})
 
     def data_pos(self) -> int | None:
         """Where a successor's draws resume: the position of the oldest problem still in
@@ -327,12 +311,12 @@ class Actor:
         return min(pending, default=position)
 
     def maybe_update_weights(self) -> None:
-        if self.receiver is None:
+        if self.streams.receiver is None:
             return
-        if self.receiver.poll() is None:
+        if self.streams.receiver.poll() is None:
             return
         t0 = time.monotonic()
-        self.engine.receive_weights(self.receiver.receive_into)
+        self.engine.receive_weights(self.streams.receiver.receive_into)
         self.needs_weights = False
         pause = time.monotonic() - t0
         self.stats.weight_updates += 1
@@ -347,11 +331,11 @@ class Actor:
         """Take the run's next place if the weights held admit it (Schedule, via the ledger).
         After a refusal, ask again only once the weights or the trainer's drops changed or
         0.1 s passed (another actor may have given a place back), not on every loop."""
-        limit, returned = self.schedule.limit(self.engine.version), self.returned()
+        limit, returned = self.schedule.limit(self.engine.version), self.streams.returned()
         refused = self._refused
         if refused is not None and refused[:2] == (limit, returned) and time.monotonic() - refused[2] < 0.1:
             return False
-        if self.ledger.claim(self.actor_id, self.claimed() + 1, returned, limit):
+        if self.streams.ledger.claim(self.actor_id, self.claimed() + 1, returned, limit):
             self._refused = None
             return True
         self._refused = (limit, returned, time.monotonic())
@@ -377,13 +361,14 @@ class Actor:
             if self.start_group():
                 long_in_a_row = 0
                 continue
-            self.ledger.set(self.actor_id, self.claimed())  # the place claimed goes back
+            self.streams.ledger.set(self.actor_id, self.claimed())  # the place claimed goes back
             long_in_a_row += 1
             if long_in_a_row == MAX_LONG_PROMPTS_IN_A_ROW:
                 raise RuntimeError(
                     f"{long_in_a_row} prompts in a row were longer than the "
                     f"{self.max_prompt_tokens} tokens that fit (engine.max_seq_len="
-                    f"{self.max_seq_len} - engine.max_new_tokens={self.sampling.max_new_tokens}): "
+                    f"{self.cfg.engine.max_seq_len} - engine.max_new_tokens="
+                    f"{self.cfg.engine.max_new_tokens}): "
                     "raise engine.max_seq_len or lower engine.max_new_tokens"
                 )
 
@@ -407,26 +392,26 @@ class Actor:
             self._groups[group_id] = _PendingGroup(problem, data_pos)
             self.episodes.start(group_id, problem, self.group_size)
             return True
-        prompt_ids = self.encode(problem.prompt)
+        prompt_ids = self.codec.encode(problem.prompt)
         if len(prompt_ids) > self.max_prompt_tokens:
             self._skip_long_prompt(problem, len(prompt_ids))
             return False
         group_id = self._new_group_id()
         self._groups[group_id] = _PendingGroup(problem, data_pos)
         for i in range(self.group_size):
-            request_id = f"{group_id}-{i}"
+            rid = request_id(group_id, i)
             if self.rollouts is not None:
-                request = self.rollouts.request(request_id, problem, prompt_ids)
+                request = self.rollouts.request(rid, problem, prompt_ids)
             else:
-                request = GenerationRequest(request_id, list(prompt_ids), self.sampling)
+                request = GenerationRequest(rid, list(prompt_ids), self.sampling)
             self.engine.add_request(request)
         self.in_flight += self.group_size
         return True
 
     def _new_group_id(self) -> str:
         group_id = f"a{self.actor_id}-g{self._next_group}"
-        if self._generation:
-            group_id = f"a{self.actor_id}-r{self._generation}-g{self._next_group}"
+        if self.restart:
+            group_id = f"a{self.actor_id}-r{self.restart}-g{self._next_group}"
         self._next_group += 1
         return group_id
 
@@ -438,8 +423,8 @@ class Actor:
                 "engine.max_new_tokens=%d). It and every other such prompt are skipped and "
                 "counted (skipped_prompt_too_long); raise engine.max_seq_len or lower "
                 "engine.max_new_tokens to train on them.",
-                problem.problem_id, n_tokens, self.max_prompt_tokens, self.max_seq_len,
-                self.sampling.max_new_tokens,
+                problem.problem_id, n_tokens, self.max_prompt_tokens,
+                self.cfg.engine.max_seq_len, self.cfg.engine.max_new_tokens,
             )
 
     def _log_skips(self) -> None:
@@ -459,22 +444,15 @@ class Actor:
 
     def on_rollout_end(self, out: GenerationOutput | Transcript) -> None:
         self.in_flight -= 1
-        group_id = out.request_id.rsplit("-", 1)[0]
-        pending = self._groups[group_id]
-        pending.outputs.append(out)
-        if len(pending.outputs) < self.group_size:
+        pending = self._groups[group_key(out.request_id)]
+        group = self.collector.add(out, pending.problem, self.group_size)
+        if group is None:
             return
-        failed = [o.finish_reason for o in pending.outputs if o.finish_reason.startswith("env_")]
-        if failed:
-            # An environment call failed: the group's baseline needs every attempt.
-            del self._groups[group_id]
-            self.stats.skip(failed[0], pending.problem.problem_id)
-            self.ledger.set(self.actor_id, self.claimed())
+        if group.failure is not None:
+            del self._groups[group.key]
+            self._drop(pending, group.failure)
             return
-        # Still in _groups, holding its place, until its scores are in.
-        pending.outputs.sort(key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
-        completions = [self.decode(o.completion_ids()) for o in pending.outputs]
-        self.scorer.submit(group_id, pending.problem, completions)
+        pending.outputs = group.attempts  # held, with its place, until its scores are in
 
     def publish(self, scored: Scored) -> None:
         pending = self._groups.pop(scored.key)
@@ -497,12 +475,13 @@ class Actor:
         # The group's baseline needs every attempt: drop the whole group, counted; its place
         # goes back, so a replacement keeps the trainer's batches whole.
         self.stats.skip(reason, pending.problem.problem_id)
-        self.ledger.set(self.actor_id, self.claimed())
+        self.streams.ledger.set(self.actor_id, self.claimed())
 
     def _publish_samples(self, group_id: str, pending: _PendingGroup, samples: list[Sample]
                          ) -> None:
-        if self.drop_zero_variance and zero_variance(samples, self.truncated,
-                                                     self.truncated_reward):
+        loss = self.cfg.trainer.loss  # how the trainer's advantages read rewards
+        if self.cfg.actor.drop_zero_variance and zero_variance(samples, loss.truncated,
+                                                               loss.truncated_reward):
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
             self._drop(pending, "zero_variance")
             return
@@ -514,15 +493,15 @@ class Actor:
             samples=samples,
             actor_id=self.actor_id,
             actor_stats=self.snapshot(),
-            attempt=self.attempt,
+            attempt=self.cfg.attempt,
             seq=self.published,
             data_pos=self.data_pos(),
         )
-        self.writer.write(group.to_dict())
+        self.streams.writer.write(group.to_dict())
         self._last_write = time.monotonic()
 
 
-def open_endpoint(cfg: Any, actor_id: int, tokenizer: PreTrainedTokenizerBase,
+def open_endpoint(cfg: Config, actor_id: int, tokenizer: PreTrainedTokenizerBase,
                   eos_token_ids: tuple[int, ...], required: bool = False
                   ) -> GenerateEndpoint | None:
     """The actor's generate endpoint (actor.endpoint_port; actor i on port + i; a free port
@@ -531,7 +510,7 @@ def open_endpoint(cfg: Any, actor_id: int, tokenizer: PreTrainedTokenizerBase,
     serves (a restarted actor's replaces it); None when not asked for."""
     if cfg.actor.endpoint_port is None and not required:
         return None
-    from pipelinerl.endpoint import GenerateEndpoint
+    from pipelinerl.endpoint import GenerateEndpoint  # aiohttp: see the imports above
 
     port = cfg.actor.endpoint_port + actor_id if cfg.actor.endpoint_port else 0
     # vLLM crashes on a request's own seed once an update clears its cache (docs/vllm.md, 6).
@@ -545,22 +524,24 @@ def open_endpoint(cfg: Any, actor_id: int, tokenizer: PreTrainedTokenizerBase,
     return endpoint
 
 
-def next_generation(predecessor: dict[str, Any] | None) -> int:
-    """The process number of an actor whose predecessor wrote `predecessor` last (0: none)."""
+def next_restart(predecessor: dict[str, Any] | None) -> int:
+    """The restart number of an actor process whose predecessor wrote `predecessor` last
+    (0: none, the actor's first process)."""
     if predecessor is None:
         return 0
     last = (predecessor["generation"] if predecessor.get("heartbeat")
-            else generation(predecessor["group_id"]))
+            else restart_of(predecessor["group_id"]))
     return last + 1
 
 
-def process_seed(seed: int, actor_id: int, generation: int) -> int:
-    """A seed per run seed, actor and process of that actor (generation < 1_000_003)."""
-    return (seed * 1000 + actor_id) * 1_000_003 + generation
+def process_seed(seed: int, actor_id: int, restart: int) -> int:
+    """A seed per run seed, actor and restart of that actor (restart < 1_000_003)."""
+    return (seed * 1000 + actor_id) * 1_000_003 + restart
 
 
-def generation(group_id: str) -> int:
-    """The actor process that started a group: 0 for `a<actor>-g<n>`, r for `a<actor>-r<r>-g<n>`."""
+def restart_of(group_id: str) -> int:
+    """The restart number of the actor process that started a group: 0 for `a<actor>-g<n>`,
+    r for `a<actor>-r<r>-g<n>`."""
     parts = group_id.split("-")
     return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
 
@@ -583,103 +564,81 @@ def to_sample(out: GenerationOutput | Transcript, score: Score, group_id: str, a
     )
 
 
-def run_actor(cfg: Any, actor_id: int) -> None:
-    import torch
-
-    from pipelinerl.engine import make_engine
-    from pipelinerl.models.prompts import prompt_format
-    from pipelinerl.roles import (
-        Control,
-        open_admission_ledger,
-        open_control_reader,
-        open_rollout_writer,
-        open_weight_receiver,
-    )
-    from pipelinerl.streams.base import WriterStateLost
-    from pipelinerl.tasks import make_train_task
-
-    if not 0 <= actor_id < cfg.actor.num_actors:
-        # Receiver id num_actors is the evaluator's: an actor there would take its place.
-        raise ValueError(f"--actor-id {actor_id} is outside [0, actor.num_actors="
-                         f"{cfg.actor.num_actors})")
+def run_actor(cfg: Config, actor_id: int) -> None:
+    """Actor process `actor_id` of the run: build it, run it until the trainer stops, close."""
+    _check_actor_id(cfg, actor_id)
     torch.set_num_threads(cfg.actor.threads)
-    encode, stop_ids, tokenizer = prompt_format(cfg, cfg.model.path)
+    codec, tokenizer = text_codec(cfg, cfg.model.path)
     control = Control(open_control_reader(cfg), cfg.attempt)
-    last_check = [0.0]
-
-    def should_stop() -> bool:
-        # The trainer writes a stop record when it is done, and the count of this actor's
-        # groups it dropped as it goes; read them a few times a second.
-        now = time.monotonic()
-        if now - last_check[0] > 0.25:
-            last_check[0] = now
-            control.poll()
-        return control.stop is not None
-
-    writer = open_rollout_writer(cfg, actor_id)
-    ledger = open_admission_ledger(cfg)
-    try:
-        predecessor = writer.last_record()  # an earlier process of this actor (restart, resume)
-    except WriterStateLost as err:
-        raise RuntimeError(f"actor {actor_id} refuses to start: {err}. Without it the actor "
-                           "would repeat group ids, under-count its admission claim and "
-                           "restart its data") from None
+    writer, ledger = open_rollout_writer(cfg, actor_id), open_admission_ledger(cfg)
+    predecessor = _last_record(writer, actor_id)  # an earlier process of this actor's, if any
+    restart = next_restart(predecessor)
     # The engine samples with a seed of its own process too, not its predecessor's.
-    engine = make_engine(cfg.engine, cfg.model.path,
-                         seed=process_seed(cfg.seed, actor_id, next_generation(predecessor)))
+    engine = make_engine(cfg.engine, cfg.model.path, seed=process_seed(cfg.seed, actor_id, restart))
     if predecessor is not None:
         log.info("actor %d continues after %d groups its earlier process published; its "
                  "groups in flight then are generated again", actor_id, predecessor["seq"])
     receiver = open_weight_receiver(cfg, actor_id, restarted=predecessor is not None)
-    mode_g = cfg.conventional_g if cfg.mode == "conventional" else 0
-    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
-    if hasattr(task, "shard"):  # a dataset: each actor reads its own positions
-        task.shard(actor_id, cfg.actor.num_actors)
-    episodic = getattr(task, "episodic", False)
-    endpoint = open_endpoint(cfg, actor_id, tokenizer, stop_ids, required=episodic)
-    episodes = None
-    if episodic:
-        from pipelinerl.envs.verifiers.episodes import open_episodes
-
-        episodes = open_episodes(cfg, task, endpoint, tokenizer, actor_id)
-    actor = Actor(
-        engine=engine,
-        task=task,
-        encode=encode,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        sampling=sampling_from_config(cfg.engine, stop_ids),
-        schedule=Schedule(
-            batch_size=cfg.trainer.batch_size,
-            group_size=cfg.actor.group_size,
-            max_lag=cfg.actor.max_lag,
-            conventional_g=mode_g,
-        ),
-        writer=writer,
-        receiver=receiver,
-        should_stop=should_stop,
-        max_seq_len=cfg.engine.max_seq_len,
-        actor_id=actor_id,
-        seed=cfg.actor.seed + cfg.seed,
-        verifier_timeout_s=cfg.actor.verifier_timeout_s,
-        verifier_workers=cfg.actor.verifier_workers,
-        drop_zero_variance=cfg.actor.drop_zero_variance,
-        truncated=cfg.trainer.loss.truncated,
-        truncated_reward=cfg.trainer.loss.truncated_reward,
-        ledger=ledger,
-        returned=control.returned_total,
-        predecessor=predecessor,
-        attempt=cfg.attempt,
-        encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        env_timeout_s=cfg.actor.env_timeout_s,
-        env_workers=cfg.actor.env_workers,
-        endpoint=endpoint,
-        episodes=episodes,
-    )
+    streams = Streams(writer, receiver, ledger, should_stop=_stop_check(control),
+                      returned=control.returned_total)
+    task = _train_task(cfg, actor_id)
+    endpoint, episodes = _endpoint_and_episodes(cfg, actor_id, task, tokenizer, codec.stop_ids)
+    actor = Actor(cfg, engine, task, codec, streams, actor_id=actor_id, predecessor=predecessor,
+                  endpoint=endpoint, episodes=episodes)
     try:
         actor.run()
     finally:
-        writer.close()
-        ledger.close()
+        streams.close()
         control.close()
-        if receiver is not None:
-            receiver.close()
+
+
+def _check_actor_id(cfg: Config, actor_id: int) -> None:
+    if not 0 <= actor_id < cfg.actor.num_actors:
+        # Receiver id num_actors is the evaluator's: an actor there would take its place.
+        raise ValueError(f"--actor-id {actor_id} is outside [0, actor.num_actors="
+                         f"{cfg.actor.num_actors})")
+
+
+def _last_record(writer: StreamWriter, actor_id: int) -> dict[str, Any] | None:
+    try:
+        return writer.last_record()
+    except WriterStateLost as err:
+        raise RuntimeError(f"actor {actor_id} refuses to start: {err}. Without it the actor "
+                           "would repeat group ids, under-count its admission claim and "
+                           "restart its data") from None
+
+
+def _stop_check(control: Control) -> Callable[[], bool]:
+    """Whether the trainer wrote its stop record. The control stream (which also counts the
+    groups the trainer dropped) is read a few times a second."""
+    last_check = 0.0
+
+    def should_stop() -> bool:
+        nonlocal last_check
+        now = time.monotonic()
+        if now - last_check > 0.25:
+            last_check = now
+            control.poll()
+        return control.stop is not None
+
+    return should_stop
+
+
+def _train_task(cfg: Config, actor_id: int) -> Task:
+    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
+    if hasattr(task, "shard"):  # a dataset: each actor reads its own positions
+        task.shard(actor_id, cfg.actor.num_actors)
+    return task
+
+
+def _endpoint_and_episodes(cfg: Config, actor_id: int, task: Task,
+                           tokenizer: PreTrainedTokenizerBase, stop_ids: tuple[int, ...]
+                           ) -> tuple[GenerateEndpoint | None, EpisodeRunner | None]:
+    """The generate endpoint, if asked for; an episodic task's (verifiers) needs one."""
+    episodic = getattr(task, "episodic", False)
+    endpoint = open_endpoint(cfg, actor_id, tokenizer, stop_ids, required=episodic)
+    if not episodic:
+        return endpoint, None
+    from pipelinerl.envs.verifiers.episodes import open_episodes  # imports the endpoint's aiohttp
+
+    return endpoint, open_episodes(cfg, task, endpoint, tokenizer, actor_id)

@@ -18,8 +18,10 @@ was made; `pipelinerl.eval_results`) and waits for the final one before it plots
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -28,18 +30,25 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from pipelinerl.config import Config, EvalConfig
-from pipelinerl.engine.base import Engine
+from pipelinerl.engine import _DTYPES, Engine, make_engine
+from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.eval_results import EVAL_PREFIX, logged_versions
 from pipelinerl.eval_snapshots import Snapshots
+from pipelinerl.generation import sampling_from_config
 from pipelinerl.metrics.logger import METRICS
+from pipelinerl.models.hf import load_model
+from pipelinerl.models.prompts import text_codec
+from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
 from pipelinerl.scoring import Scorer
+from pipelinerl.sync.base import WeightReceiver
+from pipelinerl.tasks import heldout_problems, make_task
 from pipelinerl.tasks.base import Problem, Task
 from pipelinerl.tasks.environment import is_environment
 from pipelinerl.types import (GenerationOutput, GenerationRequest, Sample, SamplingParams,
                              attempt_index)
 
-if TYPE_CHECKING:  # aiohttp and verifiers are imported only when a task needs them
+if TYPE_CHECKING:  # imported when used: aiohttp costs 0.2-0.6 s (python -X importtime)
     from pipelinerl.endpoint import GenerateEndpoint
     from pipelinerl.envs.verifiers.episodes import EpisodeRunner
 
@@ -117,20 +126,20 @@ def evaluate(
     version = engine.version
     t0 = time.monotonic()
     queue = deque(
-        (f"{m}|{i}|{a}", i, mode.params)
+        (request_id(f"{m}|{i}", a), i, mode.params)
         for m, mode in enumerate(modes)
         for i in range(len(prompt_ids))
         for a in range(mode.attempts)
     )
     tallies = [_Tally(mode.attempts) for mode in modes]
-    pending: dict[str, list[GenerationOutput | Transcript]] = {}
+    collector = GroupCollector(scorer, decode)
     unscored = 0  # groups submitted to the scorer and not yet back
     while queue or engine.num_active():
         while queue and engine.num_active() < engine.capacity:
-            request_id, i, params = queue.popleft()
+            rid, i, params = queue.popleft()
             engine.add_request(
-                rollouts.request(request_id, problems[i], prompt_ids[i], params) if rollouts
-                else GenerationRequest(request_id, list(prompt_ids[i]), params))
+                rollouts.request(rid, problems[i], prompt_ids[i], params) if rollouts
+                else GenerationRequest(rid, list(prompt_ids[i]), params))
         if rollouts is not None and rollouts.waiting() == rollouts.running() > 0:
             rollouts.pool.wait(POLL_S)  # every sequence waits for its environment
         finished: list[GenerationOutput | Transcript] = []
@@ -143,17 +152,14 @@ def evaluate(
         if rollouts is not None:
             finished += rollouts.poll()
         for out in finished:
-            m, i, _ = out.request_id.split("|")
-            key = f"{m}|{i}"
-            outs = pending.setdefault(key, [])
-            outs.append(out)
-            if len(outs) == modes[int(m)].attempts:
-                tallies[int(m)].count(outs)
-                del pending[key]
-                if any(o.finish_reason.startswith("env_") for o in outs):
-                    tallies[int(m)].failures += len(outs)  # unsolved, like a failed verifier
-                    continue
-                scorer.submit(key, problems[int(i)], [decode(o.completion_ids()) for o in outs])
+            m, i = (int(x) for x in group_key(out.request_id).split("|"))
+            group = collector.add(out, problems[i], modes[m].attempts)
+            if group is None:
+                continue
+            tallies[m].count(group.attempts)
+            if group.failure is not None:
+                tallies[m].failures += len(group.attempts)  # unsolved, like a failed verifier
+            else:
                 unscored += 1
         unscored -= _collect(scorer, tallies, modes)
         between_steps()
@@ -288,18 +294,12 @@ def eval_device(cfg: Config) -> str:
 def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     """The held-out problems (`tasks.split`), the tokenizer's view of them, the verifier and
     an engine with the model at `model_path`, as the config asks."""
-    from pipelinerl.generation import sampling_from_config
-    from pipelinerl.engine import make_engine
-    from pipelinerl.models.prompts import prompt_format
-    from pipelinerl.tasks import heldout_problems, make_task
-
     task: Task = make_task(cfg.task.name, cfg.task.params)
     problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
-    encode, stop_ids, tokenizer = prompt_format(cfg, model_path)
-    base = sampling_from_config(cfg.engine, stop_ids)
+    codec, tokenizer = text_codec(cfg, model_path)
+    base = sampling_from_config(cfg.engine, codec.stop_ids)
     engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
                                                "device": eval_device(cfg)})
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     if getattr(task, "episodic", False):  # the environment renders and scores its episodes
         from pipelinerl.endpoint import GenerateEndpoint
         from pipelinerl.envs.verifiers.episodes import open_episodes
@@ -307,30 +307,28 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
         endpoint = GenerateEndpoint(model=model_path, max_model_len=cfg.engine.max_seq_len,
                                     vocab_size=len(tokenizer),
                                     default_max_tokens=cfg.engine.max_new_tokens,
-                                    eos_token_ids=stop_ids, tokenizer=tokenizer)
+                                    eos_token_ids=codec.stop_ids, tokenizer=tokenizer)
         runner = open_episodes(cfg, task, endpoint, tokenizer, actor_id=-1)
         engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
-        return EvalSetup(problems, [], eval_modes(cfg.eval, base), None, decode,
+        return EvalSetup(problems, [], eval_modes(cfg.eval, base), None, codec.decode,
                          episodes=(endpoint, runner)), engine
     problems, prompt_ids = fitting_problems(
-        problems, encode,
+        problems, codec.encode,
         cfg.engine.max_seq_len - cfg.engine.max_new_tokens)
     engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
     scorer = Scorer(task, cfg.actor.verifier_timeout_s, cfg.actor.verifier_workers)
     rollouts = None
     if is_environment(task):
-        rollouts = Rollouts(task, engine, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                            decode, base, cfg.actor.env_timeout_s, cfg.actor.env_workers)
-    setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer, decode, rollouts)
+        rollouts = Rollouts(task, engine, codec.encode_text, codec.decode, base,
+                            cfg.actor.env_timeout_s, cfg.actor.env_workers)
+    setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer, codec.decode,
+                      rollouts)
     return setup, engine
 
 
 def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
     """`pipelinerl eval MODEL_DIR CONFIG`: one pass over the task's held-out set with the
     config's eval and engine settings; prints one line per figure, then the figures as JSON."""
-    import json
-    import sys
-
     torch.set_num_threads(cfg.eval.threads)
     try:
         setup, engine = build_eval_setup(cfg, model_dir)
@@ -379,7 +377,8 @@ class _Staging:
     every receiver at each publish (broadcast), every version is taken as it comes, during a
     pass too; with shared memory only a version that is wanted."""
 
-    def __init__(self, receiver: Any, tensors: Mapping[str, torch.Tensor], follow: bool) -> None:
+    def __init__(self, receiver: WeightReceiver, tensors: Mapping[str, torch.Tensor],
+                 follow: bool) -> None:
         self.receiver = receiver
         self.tensors = tensors
         self.follow = follow
@@ -394,88 +393,111 @@ class _Staging:
 
 
 def run_evaluator(cfg: Config) -> None:
-    from pipelinerl.engine import _DTYPES
-    from pipelinerl.models.hf import load_model
-    from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
-
+    """The evaluator role: the starting weights (a resumed run's newest), then the newest
+    whenever due, until the trainer's stop record; then the final weights."""
     torch.set_num_threads(cfg.eval.threads)
-    setup, engine = build_eval_setup(cfg, cfg.model.path)
-    # On the engine's device and in its dtype: one more copy of the model, not an fp32 one
-    # in host memory that every received version would cross.
-    staging_model = load_model(cfg.model.path, dtype=_DTYPES[cfg.engine.dtype],
-                               device=eval_device(cfg))
-    # restarted: the launcher may start the evaluator again after it died, and a broadcast
-    # group then forms again to take it (only the launcher starts an evaluator: no duplicate).
-    staging = _Staging(open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg),
-                                            restarted=True),
-                       staging_model.state_dict(), follow=cfg.sync.backend == "broadcast")
-    writer = open_eval_writer(cfg)
-    control = Control(open_control_reader(cfg), cfg.attempt)
-    due = _Due(cfg.eval)
-    snapshots = Snapshots(cfg.run_dir, cfg.attempt) if cfg.eval.deferred else None
-
-    def evaluate_loaded(final: bool, between_steps: Callable[[], None] = lambda: None) -> None:
-        """A pass over the weights the engine holds, its record written."""
-        version = engine.version
-        metrics = setup.run(engine, between_steps=between_steps)
-        log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
-        writer.write({"version": version, "final": final, "attempt": cfg.attempt, **metrics})
-
-    def run_pass(final: bool) -> None:
-        """Evaluate the newest weights received, or keep them for later (eval.deferred)."""
-        version = staging.version
-        if final and due.last_version == version:
-            # Evaluated already: the record only marks the end (the trainer logs no repeat).
-            writer.write({"version": version, "final": True, "attempt": cfg.attempt})
-            return
-        if snapshots is not None and not final:
-            snapshots.save(version, staging.tensors)
-            due.done(version)
-            return
-        if version != engine.version:
-            engine.load_weights(staging.tensors, version)
-        evaluate_loaded(final, staging.pump)
-        due.done(version)
-
-    def run_deferred() -> None:
-        """The kept versions, oldest first, on the cores the run's roles had."""
-        torch.set_num_threads(_run_threads(cfg))
-        for version, path in snapshots.pending(logged_versions(cfg.run_dir / METRICS)):
-            engine.load_weights(Snapshots.load(path, eval_device(cfg)), version)
-            evaluate_loaded(final=False)
-            path.unlink()
-        torch.set_num_threads(cfg.eval.threads)
-
+    evaluator = _Evaluator(cfg)
     try:
-        if cfg.attempt == 0 and not logged_versions(cfg.run_dir / METRICS):
-            run_pass(final=False)  # version 0: the starting policy, before any update
-        else:
-            # A resumed run, or an evaluator restarted after it died: the newest weights come
-            # first. They are evaluated unless metrics.jsonl holds their result already (a
-            # resumed trainer cut the file back to its checkpoint before publishing them).
-            _await_version(staging, 0, cfg.sync.timeout_s)
-            if staging.version in logged_versions(cfg.run_dir / METRICS):
-                due.done(staging.version)
-            else:
-                run_pass(final=False)
-        while control.stop is None:
-            staging.pump(want=due)
-            if due(staging.version):
-                run_pass(final=False)
-            control.poll()
-            if control.stop is None:
-                time.sleep(POLL_S)
-        stop = control.stop
-        if stop.get("final_published"):
-            _await_version(staging, int(stop["step"]), cfg.sync.timeout_s)
-            if snapshots is not None:
-                run_deferred()
-            run_pass(final=True)
+        evaluator.start()
+        evaluator.finish(evaluator.follow())
     finally:
-        setup.close()
-        writer.close()
-        control.close()
-        staging.receiver.close()
+        evaluator.close()
+
+
+class _Evaluator:
+    """The evaluator role's engine and passes, the weights it stages, and its streams."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.setup, self.engine = build_eval_setup(cfg, cfg.model.path)
+        # On the engine's device and in its dtype: one more copy of the model, not an fp32 one
+        # in host memory that every received version would cross.
+        staging_model = load_model(cfg.model.path, dtype=_DTYPES[cfg.engine.dtype],
+                                   device=eval_device(cfg))
+        # restarted: the launcher may start the evaluator again after it died, and a broadcast
+        # group then forms again to take it (only the launcher starts an evaluator: no duplicate).
+        receiver = open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg),
+                                        restarted=True)
+        self.staging = _Staging(receiver, staging_model.state_dict(),
+                                follow=cfg.sync.backend == "broadcast")
+        self.writer = open_eval_writer(cfg)
+        self.control = Control(open_control_reader(cfg), cfg.attempt)
+        self.due = _Due(cfg.eval)
+        self.snapshots = Snapshots(cfg.run_dir, cfg.attempt) if cfg.eval.deferred else None
+
+    def start(self) -> None:
+        cfg = self.cfg
+        if cfg.attempt == 0 and not logged_versions(cfg.run_dir / METRICS):
+            self.run_pass(final=False)  # version 0: the starting policy, before any update
+            return
+        # A resumed run, or an evaluator restarted after it died: the newest weights come
+        # first. They are evaluated unless metrics.jsonl holds their result already (a
+        # resumed trainer cut the file back to its checkpoint before publishing them).
+        _await_version(self.staging, 0, cfg.sync.timeout_s)
+        if self.staging.version in logged_versions(cfg.run_dir / METRICS):
+            self.due.done(self.staging.version)
+        else:
+            self.run_pass(final=False)
+
+    def follow(self) -> dict[str, Any]:
+        """Evaluate the newest weights whenever due, until the trainer's stop record (returned)."""
+        while self.control.stop is None:
+            self.staging.pump(want=self.due)
+            if self.due(self.staging.version):
+                self.run_pass(final=False)
+            self.control.poll()
+            if self.control.stop is None:
+                time.sleep(POLL_S)
+        return self.control.stop
+
+    def finish(self, stop: dict[str, Any]) -> None:
+        """The final weights, once the trainer says they are published (and the kept ones)."""
+        if stop.get("final_published"):
+            _await_version(self.staging, int(stop["step"]), self.cfg.sync.timeout_s)
+            if self.snapshots is not None:
+                self.run_deferred()
+            self.run_pass(final=True)
+
+    def run_pass(self, final: bool) -> None:
+        """Evaluate the newest weights received, or keep them for later (eval.deferred)."""
+        version = self.staging.version
+        if final and self.due.last_version == version:
+            # Evaluated already: the record only marks the end (the trainer logs no repeat).
+            self.writer.write({"version": version, "final": True, "attempt": self.cfg.attempt})
+            return
+        if self.snapshots is not None and not final:
+            self.snapshots.save(version, self.staging.tensors)
+            self.due.done(version)
+            return
+        if version != self.engine.version:
+            self.engine.load_weights(self.staging.tensors, version)
+        self.evaluate_loaded(final, self.staging.pump)
+        self.due.done(version)
+
+    def run_deferred(self) -> None:
+        """The kept versions, oldest first, on the cores the run's roles had."""
+        assert self.snapshots is not None
+        torch.set_num_threads(_run_threads(self.cfg))
+        for version, path in self.snapshots.pending(logged_versions(self.cfg.run_dir / METRICS)):
+            self.engine.load_weights(Snapshots.load(path, eval_device(self.cfg)), version)
+            self.evaluate_loaded(final=False)
+            path.unlink()
+        torch.set_num_threads(self.cfg.eval.threads)
+
+    def evaluate_loaded(self, final: bool, between_steps: Callable[[], None] = lambda: None
+                        ) -> None:
+        """A pass over the weights the engine holds, its record written."""
+        version = self.engine.version
+        metrics = self.setup.run(self.engine, between_steps=between_steps)
+        log.info("evaluated version %d: %s", version, {k: round(v, 4) for k, v in metrics.items()})
+        self.writer.write({"version": version, "final": final, "attempt": self.cfg.attempt,
+                           **metrics})
+
+    def close(self) -> None:
+        self.setup.close()
+        self.writer.close()
+        self.control.close()
+        self.staging.receiver.close()
 
 
 def _run_threads(cfg: Config) -> int:

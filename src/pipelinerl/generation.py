@@ -3,12 +3,12 @@ run's engine section."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from pipelinerl.config import EngineConfig
 from pipelinerl.types import SamplingParams
 
 
-def sampling_from_config(engine_cfg: Any, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+def sampling_from_config(engine_cfg: EngineConfig, stop_token_ids: tuple[int, ...]
+                         ) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=engine_cfg.max_new_tokens,
         temperature=engine_cfg.temperature,

@@ -9,11 +9,13 @@ text as is. `task.chat_template` (default: when the tokenizer carries one) and
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transformers import PreTrainedTokenizerBase
 
+from pipelinerl.config import Config
 from pipelinerl.models.hf import encode_prompt, load_tokenizer
 
 
@@ -61,10 +63,30 @@ class PromptEncoder:
         return encode_prompt(self.tokenizer, self.text(prompt))
 
 
-def prompt_format(cfg: Any, model_path: str | Path
+def prompt_format(cfg: Config, model_path: str | Path
                   ) -> tuple[PromptEncoder, tuple[int, ...], PreTrainedTokenizerBase]:
     """The run's prompt encoder and stop tokens for the model at `model_path`, and its
-    tokenizer (`cfg`: the run's Config)."""
+    tokenizer."""
     tokenizer = load_tokenizer(model_path)
     return (PromptEncoder(tokenizer, cfg.task.chat_template, cfg.task.system_prompt),
             stop_token_ids(tokenizer, model_path), tokenizer)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A role's text <-> token ids: prompts through the chat template, completions decoded
+    without special tokens, an environment's text tokenised plainly; the model's end tokens."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    encode_text: Callable[[str], list[int]]
+    stop_ids: tuple[int, ...]
+
+
+def text_codec(cfg: Config, model_path: str | Path) -> tuple[Codec, PreTrainedTokenizerBase]:
+    """The run's codec for the model at `model_path`, and its tokenizer."""
+    encode, stop_ids, tokenizer = prompt_format(cfg, model_path)
+    return Codec(encode=encode,
+                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                 encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
+                 stop_ids=stop_ids), tokenizer
