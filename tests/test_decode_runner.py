@@ -88,4 +88,4 @@ def test_weight_updates_write_into_the_tensors_a_captured_graph_reads() -> None:
 def test_the_cpu_engine_decodes_eagerly_and_needs_no_scratch() -> None:
     engine = TorchEngine(smollm2_layout(2).config, EngineOptions(capacity=CAPACITY, max_seq_len=MAX_LEN))
     assert isinstance(engine._runner, EagerRunner)
-    assert engine._cache.k[0].shape[2] == MAX_LEN
+    assert engine._runner.cache.k[0].shape[2] == MAX_LEN

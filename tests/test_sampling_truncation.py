@@ -23,7 +23,8 @@ from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
 from pipelinerl.engine import sampling
 from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.engine import EngineOptions
-from pipelinerl.engine.torch_engine import TorchEngine, sample_tokens
+from pipelinerl.engine.sampling import sample_tokens
+from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.packing import pack, pad, token_logprobs
 from pipelinerl.rl.step import rl_step
 from pipelinerl.types import GenerationRequest, Group, Sample, SamplingParams

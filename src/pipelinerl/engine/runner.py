@@ -1,5 +1,7 @@
-"""The torch engine's model runner for decode steps: one forward of one token per running
-sequence, eager or replayed from CUDA graphs.
+"""The torch engine's model runner: every forward over the engine's KV cache (prefill, extend,
+decode) and the cache's slot moves. The engine (`torch_engine`) is the scheduler: which
+requests run, in which slots, their lengths, stops and versions; it hands the runner token
+and slot tensors and gets logits back, and never touches the cache itself.
 
 A small model's decode step on a GPU is bound by kernel launches, not by the chip: the
 Qwen2-0.5B shape cost 24.5-28.5 ms eager whatever the batch, 2.9-3.4 ms replayed as a CUDA
@@ -12,7 +14,7 @@ attention span) bucket over static inputs and replays it each step:
   the mask hides the positions past each sequence, as in eager;
 - weight updates copy in place into the parameters the graphs read (`load_hf_weights`, the
   weight receivers), so every graph computes with the newest weights without a new capture.
-Sampling, prefill and extension stay eager: they vary in shape every call.
+Prefill and extension stay eager: they vary in shape every call.
 
 `capture=False` runs the same padding and buckets without CUDA (the CPU tests check the
 logic against eager); the CPU engine itself runs `EagerRunner`, padding being pure waste there.
@@ -31,15 +33,36 @@ log = logging.getLogger(__name__)
 MIN_SPAN = 64
 
 
+def make_runner(model: CausalDecoder, capacity: int, max_seq_len: int, graphs: bool) -> EagerRunner:
+    """A runner over a new KV cache of `capacity` slots: `GraphRunner` if `graphs` (CUDA)."""
+    weight = model.lm_head.weight  # the cache's device and dtype are the model's
+    cache = KVCache(model.config, capacity, max_seq_len, weight.device, weight.dtype, scratch=graphs)
+    return GraphRunner(model, cache, capacity, max_seq_len) if graphs else EagerRunner(model, cache)
+
+
 class EagerRunner:
-    """The decoder's decode forward, as is."""
+    """The decoder's forwards over `cache`, as they are."""
 
     def __init__(self, model: CausalDecoder, cache: KVCache) -> None:
         self.model, self.cache = model, cache
 
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Write the K/V of tokens [0, lengths[i]) of right-padded `input_ids[i]` into slot
+        `slots[i]`; return the logits [m, V] at each one's last token."""
+        return self.model.prefill(self.cache, input_ids, lengths, slots)
+
+    def extend(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+        """As `prefill`, the tokens going in at positions starts[i].. after the cached ones."""
+        return self.model.extend(self.cache, input_ids, starts, lengths, slots)
+
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, attend_len: int) -> torch.Tensor:
         """Logits [n, V] of token `input_ids[i]` at `positions[i]` of slot i, i < n."""
         return self.model.decode(self.cache, input_ids, positions, attend_len)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy positions [0, length) of slots `src` into slots `dst` (the scheduler's swaps)."""
+        self.cache.move(src, dst, length)
 
 
 def buckets(limit: int, smallest: int = 1) -> list[int]:
@@ -56,15 +79,17 @@ def bucket_of(value: int, sizes: list[int]) -> int:
     return next(size for size in sizes if size >= value)
 
 
-class GraphRunner:
-    """Decode steps replayed from graphs captured per (batch, span) bucket on first use.
-    `cache` must have one position past `max_seq_len` (`KVCache(..., scratch=True)`)."""
+class GraphRunner(EagerRunner):
+    """Decode steps replayed from graphs captured per (batch, span) bucket on first use; the
+    other forwards eager. `cache` must have one position past `max_seq_len`
+    (`KVCache(..., scratch=True)`)."""
 
     def __init__(self, model: CausalDecoder, cache: KVCache, capacity: int, max_seq_len: int,
                  capture: bool = True) -> None:
         if cache.k[0].shape[2] != max_seq_len + 1:
             raise ValueError("GraphRunner needs a KV cache with a scratch position")
-        self.model, self.cache, self.max_seq_len, self.capture = model, cache, max_seq_len, capture
+        super().__init__(model, cache)
+        self.max_seq_len, self.capture = max_seq_len, capture
         self.batch_sizes = buckets(capacity)
         self.spans = buckets(max_seq_len, min(MIN_SPAN, max_seq_len))
         device = cache.k[0].device

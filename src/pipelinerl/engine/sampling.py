@@ -1,4 +1,5 @@
-"""The truncation of the sampling distribution, shared by the engine and the trainer.
+"""The truncation of the sampling distribution, shared by the engine and the trainer, and the
+engine's sampler (`sample_tokens`).
 
 A token is sampled from softmax(logits / T) restricted to a kept set and renormalised: top-k
 first, then top-p over the top-k-renormalised probabilities (vLLM's and transformers' order).
@@ -23,7 +24,7 @@ distribution these leave. The trainer knows only temperature, top-k and top-p.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
@@ -105,6 +106,42 @@ def apply_repetition_penalty(logits: Tensor, tokens: Tensor, lengths: Tensor,
     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
     p = penalty.unsqueeze(1)
     return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator,
+    truncate: bool,
+    min_p: torch.Tensor | float = 0.0,
+    own_generators: Sequence[tuple[int, torch.Generator]] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of fp32 `logits` [n, V] with per-row parameters; return the
+    tokens and their log-probs under the distribution actually sampled from: softmax of
+    logits / T restricted to the min-p, then top-k, then top-p, set and renormalised
+    (`truncation_threshold`; the trainer applies top-k and top-p too). Rows with T = 0 are
+    greedy and report log_softmax of the logits. `truncate` is False when no row uses top-k, top-p
+    or min-p, which skips the vocabulary sort. Rows named in `own_generators` (row,
+    generator) draw from their own generator (a request's seed), the others from
+    `generator`."""
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    if truncate:
+        if isinstance(min_p, torch.Tensor):
+            min_p = torch.where(greedy, 0.0, min_p)
+        threshold = truncation_threshold(
+            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p), min_p
+        )
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+    logprobs = scaled.log_softmax(dim=-1)
+    # Exponential-race sampling (argmax p / E, E ~ Exp(1)) draws from p without a host sync.
+    noise = torch.empty_like(logprobs).exponential_(generator=generator)
+    for row, own in own_generators:
+        noise[row].exponential_(generator=own)
+    tokens = torch.where(greedy, logprobs.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 class StopMatcher:

@@ -1,4 +1,6 @@
-"""The `torch` engine: continuous batching over our hand-written decoder, CPU or CUDA.
+"""The `torch` engine's scheduler: continuous batching over our hand-written decoder, CPU or
+CUDA. It decides which requests run in which slots, tracks their lengths, stops and versions,
+and samples; every forward over the KV cache runs in its model runner (`engine.runner`).
 
 Running sequences live packed in slots 0..num_running-1; a finished sequence's slot is refilled
 by swapping the last running one into it, so each decode step is one batched forward over
@@ -19,14 +21,14 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from pipelinerl.engine.base import EngineOptions, ReceiveFn, torch_dtype
-from pipelinerl.engine.runner import EagerRunner, GraphRunner
-from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, truncation_threshold
-from pipelinerl.models.decoder import CausalDecoder, KVCache, load_pretrained
+from pipelinerl.engine.runner import make_runner
+from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, sample_tokens
+from pipelinerl.models.decoder import CausalDecoder, load_pretrained
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -48,50 +50,13 @@ class EngineStats:
     recomputed_tokens: int = 0  # tokens whose K/V were recomputed after weight updates
 
 
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    generator: torch.Generator,
-    truncate: bool,
-    min_p: torch.Tensor | float = 0.0,
-    own_generators: Sequence[tuple[int, torch.Generator]] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of fp32 `logits` [n, V] with per-row parameters; return the
-    tokens and their log-probs under the distribution actually sampled from: softmax of
-    logits / T restricted to the min-p, then top-k, then top-p, set and renormalised
-    (`engine.sampling`; the trainer applies top-k and top-p too). Rows with T = 0 are greedy
-    and report log_softmax of the logits. `truncate` is False when no row uses top-k, top-p
-    or min-p, which skips the vocabulary sort. Rows named in `own_generators` (row,
-    generator) draw from their own generator (a request's seed), the others from
-    `generator`."""
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    if truncate:
-        if isinstance(min_p, torch.Tensor):
-            min_p = torch.where(greedy, 0.0, min_p)
-        threshold = truncation_threshold(
-            scaled, torch.where(greedy, 0, top_k), torch.where(greedy, 1.0, top_p), min_p
-        )
-        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
-    logprobs = scaled.log_softmax(dim=-1)
-    # Exponential-race sampling (argmax p / E, E ~ Exp(1)) draws from p without a host sync.
-    noise = torch.empty_like(logprobs).exponential_(generator=generator)
-    for row, own in own_generators:
-        noise[row].exponential_(generator=own)
-    tokens = torch.where(greedy, logprobs.argmax(dim=-1), (logprobs.exp() / noise).argmax(dim=-1))
-    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-
-
 class TorchEngine:
     """Continuous-batching generation engine implementing `pipelinerl.engine.base.Engine`."""
 
     def __init__(self, model: CausalDecoder | PretrainedConfig, options: EngineOptions) -> None:
         """`model` is a `CausalDecoder` or a HF config of a supported family (random weights, to
         be replaced by `load_weights`). Prefills and KV recomputes are split into forwards of at
-        most `options.max_prefill_tokens` padded tokens. `options.cuda_graphs`: on CUDA, replay the
-        decode step from CUDA graphs (engine.runner)."""
+        most `options.max_prefill_tokens` padded tokens; every forward runs in `engine.runner`."""
         capacity, max_seq_len = options.capacity, options.max_seq_len
         if capacity < 1 or max_seq_len < 2:
             raise ValueError(f"need capacity >= 1 and max_seq_len >= 2, got {capacity} and {max_seq_len}")
@@ -106,11 +71,8 @@ class TorchEngine:
         self.max_prefill_tokens = options.max_prefill_tokens
         self.stats = EngineStats()
         self._capacity = capacity
-        graphs = options.cuda_graphs and self.device.type == "cuda"
-        self._cache = KVCache(self.model.config, capacity, max_seq_len, self.device, self.dtype,
-                              scratch=graphs)
-        self._runner = (GraphRunner(self.model, self._cache, capacity, max_seq_len) if graphs
-                        else EagerRunner(self.model, self._cache))
+        self._runner = make_runner(self.model, capacity, max_seq_len,
+                                   options.cuda_graphs and self.device.type == "cuda")
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(options.seed)
         self._queue: deque[GenerationRequest] = deque()
@@ -329,7 +291,7 @@ class TorchEngine:
         logits = self._prefill(start, computed, lengths[: computed - start])
         if copies:
             src = torch.tensor([first[tuple(r.prompt_ids)] for r in copies], device=self.device)
-            self._cache.move(src, torch.arange(computed, self._num_running, device=self.device),
+            self._runner.move_kv(src, torch.arange(computed, self._num_running, device=self.device),
                              int(lengths[computed - start :].max()))
             logits = torch.cat([logits, logits[src - start]])
         self._sample_into(start, self._num_running, logits)
@@ -413,8 +375,7 @@ class TorchEngine:
         cols = (feed_from[:, None] + torch.arange(width)).clamp(max=self.max_seq_len - 1).to(self.device)
         tokens = self._tokens[slots[:, None], cols]
         self.stats.prefill_forwards += 1
-        return self.model.extend(self._cache, tokens, feed_from.to(self.device),
-                                 lengths.to(self.device), slots)
+        return self._runner.extend(tokens, feed_from.to(self.device), lengths.to(self.device), slots)
 
     def _prefill(self, start: int, end: int, lengths: torch.Tensor) -> torch.Tensor:
         """Prefill tokens [0, lengths[i]) of slots start..end-1 in chunks of at most
@@ -428,7 +389,7 @@ class TorchEngine:
                 hi += 1
             slots = torch.arange(lo, hi, device=self.device)
             chunk_lengths = lengths[lo - start : hi - start].to(self.device)
-            logits.append(self.model.prefill(self._cache, self._tokens[lo:hi, :width], chunk_lengths, slots))
+            logits.append(self._runner.prefill(self._tokens[lo:hi, :width], chunk_lengths, slots))
             self.stats.prefill_forwards += 1
             lo = hi
         return torch.cat(logits)
@@ -539,7 +500,8 @@ class TorchEngine:
         if not src:
             return
         length = int(self._len[src].max())
-        self._cache.move(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), length)
+        self._runner.move_kv(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device),
+                             length)
         per_position, per_slot = self._slot_state()
         for t in per_position:
             t[dst, :length] = t[src, :length]
