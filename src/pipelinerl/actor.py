@@ -29,6 +29,7 @@ from pipelinerl.engine import Engine, make_engine
 from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.generation import sampling_from_config
+from pipelinerl.group_ids import format_group_id, next_restart, process_seed
 from pipelinerl.models.prompts import Codec, text_codec
 from pipelinerl.rl.advantages import zero_variance
 from pipelinerl.roles import (
@@ -36,10 +37,11 @@ from pipelinerl.roles import (
     open_admission_ledger,
     open_control_reader,
     open_rollout_writer,
+    predecessor_record,
     open_weight_receiver,
 )
 from pipelinerl.scoring import Scored, Scorer
-from pipelinerl.streams.base import StreamWriter, WriterStateLost
+from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import make_train_task
 from pipelinerl.tasks.base import Problem, Score, Task
@@ -409,11 +411,8 @@ class Actor:
         return True
 
     def _new_group_id(self) -> str:
-        group_id = f"a{self.actor_id}-g{self._next_group}"
-        if self.restart:
-            group_id = f"a{self.actor_id}-r{self.restart}-g{self._next_group}"
         self._next_group += 1
-        return group_id
+        return format_group_id(self.actor_id, self.restart, self._next_group - 1)
 
     def _skip_long_prompt(self, problem: Problem, n_tokens: int) -> None:
         self.stats.skip("prompt_too_long", problem.problem_id)
@@ -524,28 +523,6 @@ def open_endpoint(cfg: Config, actor_id: int, tokenizer: PreTrainedTokenizerBase
     return endpoint
 
 
-def next_restart(predecessor: dict[str, Any] | None) -> int:
-    """The restart number of an actor process whose predecessor wrote `predecessor` last
-    (0: none, the actor's first process)."""
-    if predecessor is None:
-        return 0
-    last = (predecessor["generation"] if predecessor.get("heartbeat")
-            else restart_of(predecessor["group_id"]))
-    return last + 1
-
-
-def process_seed(seed: int, actor_id: int, restart: int) -> int:
-    """A seed per run seed, actor and restart of that actor (restart < 1_000_003)."""
-    return (seed * 1000 + actor_id) * 1_000_003 + restart
-
-
-def restart_of(group_id: str) -> int:
-    """The restart number of the actor process that started a group: 0 for `a<actor>-g<n>`,
-    r for `a<actor>-r<r>-g<n>`."""
-    parts = group_id.split("-")
-    return int(parts[1][1:]) if len(parts) == 3 and parts[1].startswith("r") else 0
-
-
 def to_sample(out: GenerationOutput | Transcript, score: Score, group_id: str, actor_id: int
               ) -> Sample:
     multi_turn = isinstance(out, Transcript)
@@ -568,10 +545,11 @@ def run_actor(cfg: Config, actor_id: int) -> None:
     """Actor process `actor_id` of the run: build it, run it until the trainer stops, close."""
     _check_actor_id(cfg, actor_id)
     torch.set_num_threads(cfg.actor.threads)
+    task = _train_task(cfg, actor_id)
     codec, tokenizer = text_codec(cfg, cfg.model.path)
     control = Control(open_control_reader(cfg), cfg.attempt)
     writer, ledger = open_rollout_writer(cfg, actor_id), open_admission_ledger(cfg)
-    predecessor = _last_record(writer, actor_id)  # an earlier process of this actor's, if any
+    predecessor = predecessor_record(writer, actor_id)
     restart = next_restart(predecessor)
     # The engine samples with a seed of its own process too, not its predecessor's.
     engine = make_engine(cfg.engine, cfg.model.path, seed=process_seed(cfg.seed, actor_id, restart))
@@ -581,7 +559,6 @@ def run_actor(cfg: Config, actor_id: int) -> None:
     receiver = open_weight_receiver(cfg, actor_id, restarted=predecessor is not None)
     streams = Streams(writer, receiver, ledger, should_stop=_stop_check(control),
                       returned=control.returned_total)
-    task = _train_task(cfg, actor_id)
     endpoint, episodes = _endpoint_and_episodes(cfg, actor_id, task, tokenizer, codec.stop_ids)
     actor = Actor(cfg, engine, task, codec, streams, actor_id=actor_id, predecessor=predecessor,
                   endpoint=endpoint, episodes=episodes)
@@ -597,15 +574,6 @@ def _check_actor_id(cfg: Config, actor_id: int) -> None:
         # Receiver id num_actors is the evaluator's: an actor there would take its place.
         raise ValueError(f"--actor-id {actor_id} is outside [0, actor.num_actors="
                          f"{cfg.actor.num_actors})")
-
-
-def _last_record(writer: StreamWriter, actor_id: int) -> dict[str, Any] | None:
-    try:
-        return writer.last_record()
-    except WriterStateLost as err:
-        raise RuntimeError(f"actor {actor_id} refuses to start: {err}. Without it the actor "
-                           "would repeat group ids, under-count its admission claim and "
-                           "restart its data") from None
 
 
 def _stop_check(control: Control) -> Callable[[], bool]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from pipelinerl.checkpoint import latest_checkpoint, read_state
 from pipelinerl.config import Config, load_config
+from pipelinerl.group_ids import actor_of, restart_of
 from pipelinerl.metrics.tables import markdown_table
 from pipelinerl.records import read_rows
 from pipelinerl.streams.local import segment_name
@@ -72,7 +73,7 @@ def _actor_drops(record: dict[str, Any]) -> tuple[tuple[int, int, int], dict[str
         process, counts = record.get("generation", 0), record.get("skipped")
     else:
         stats = record.get("actor_stats")
-        process = _process_of(str(record.get("group_id")))
+        process = restart_of(str(record.get("group_id")))
         counts = None if not isinstance(stats, dict) else {
             k.removeprefix("skipped_"): v for k, v in stats.items() if k.startswith("skipped_")}
     return (record.get("actor_id", -1), record.get("attempt", 0), process), counts
@@ -181,7 +182,7 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
     # waiting in the checkpoint, so trained or dropped: they count as published through the
     # ids trained.jsonl holds.
     present = {p.group_id for p in published}
-    trimmed = [Published(gid, _actor_of(gid), True) for gid in handled if gid not in present]
+    trimmed = [Published(gid, actor_of(gid), True) for gid in handled if gid not in present]
     tallies: dict[str, Tally] = defaultdict(Tally)
     for p in published + trimmed:
         for t in (tallies[f"actor_{p.actor_id}"], tallies["total"]):
@@ -206,18 +207,6 @@ def audit(run_dir: Path) -> tuple[dict[str, Tally], list[str]]:
                      "records deleted before it)")
     notes.append(f"{steps} optimizer steps in trained.jsonl")
     return dict(sorted(tallies.items(), key=lambda kv: (kv[0] == "total", kv[0]))), notes
-
-
-def _actor_of(group_id: str) -> int:
-    """Group ids are `a<actor>-...` (pipelinerl.actor)."""
-    head = group_id.split("-", 1)[0]
-    return int(head[1:]) if head[1:].isdigit() else -1
-
-
-def _process_of(group_id: str) -> int:
-    """The actor process that made a group: `a<actor>-g<n>` 0, `a<actor>-r<r>-g<n>` r."""
-    parts = group_id.split("-")
-    return int(parts[1][1:]) if len(parts) == 3 and parts[1][1:].isdigit() else 0
 
 
 def main(run_dir: str) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 from pipelinerl.admission import LocalLedger, RedisLedger, open_ledger
 from pipelinerl.config import Config
 from pipelinerl.streams import Reader, StreamConnectionError, Writer, open_reader, open_writer
+from pipelinerl.streams.base import WriterStateLost
 from pipelinerl.sync import make_receiver, make_sender
 from pipelinerl.sync.base import WeightReceiver, WeightSender
 from pipelinerl.sync.shm import shm_path
@@ -38,6 +39,17 @@ def _locations(cfg: Config) -> dict[str, str]:
 def open_rollout_writer(cfg: Config, actor_id: int) -> Writer:
     return open_writer(cfg.stream.backend, stream=ROLLOUTS, writer_id=f"actor_{actor_id}",
                        segment_bytes=int(cfg.stream.segment_mb * 2**20), **_locations(cfg))
+
+
+def predecessor_record(writer: Writer, actor_id: int) -> dict[str, Any] | None:
+    """The last record an earlier process of actor `actor_id` wrote to its rollout stream
+    (None for the first): where a restarted actor continues from."""
+    try:
+        return writer.last_record()
+    except WriterStateLost as err:
+        raise RuntimeError(f"actor {actor_id} refuses to start: {err}. Without it the actor "
+                           "would repeat group ids, under-count its admission claim and "
+                           "restart its data") from None
 
 
 def open_rollout_reader(cfg: Config, offsets: dict | None = None) -> Reader:
