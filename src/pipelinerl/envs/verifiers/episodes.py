@@ -39,8 +39,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from transformers import PreTrainedTokenizerBase
+
+from pipelinerl.config import Config
 from pipelinerl.endpoint import Answer, GenerateEndpoint
 from pipelinerl.envs.verifiers.task import VerifiersTask
+from pipelinerl.generation import sampling_from_config
 from pipelinerl.tasks.base import Problem
 from pipelinerl.types import ENV_VERSION, Sample, SamplingParams
 
@@ -291,12 +295,10 @@ class EpisodeRunner:
         )
 
 
-def open_episodes(cfg: Any, task: VerifiersTask, endpoint: GenerateEndpoint | None,
-                  tokenizer: Any, actor_id: int) -> EpisodeRunner:
+def open_episodes(cfg: Config, task: VerifiersTask, endpoint: GenerateEndpoint | None,
+                  tokenizer: PreTrainedTokenizerBase, actor_id: int) -> EpisodeRunner:
     """The runner of `task`'s episodes on `endpoint` (an actor's, or the evaluator's), as the
     run's config says."""
-    from pipelinerl.generation import sampling_from_config
-
     assert endpoint is not None
     # Each model call logs three INFO lines (a rollout start, the HTTP request, the
     # interception server's access line): 7 MB an hour of an actor's log on 2 cores.
