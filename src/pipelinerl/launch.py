@@ -8,20 +8,25 @@ which is how a multi-machine run starts them (docs/multinode.md).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Callable
 
-from pipelinerl.config import Config, save_config
+from pipelinerl.config import Config, load_config, save_config
 from pipelinerl.ports import free_port
+from pipelinerl.scoring import check_sendable
 from pipelinerl.stop_signals import StopSignals
+from pipelinerl.streams.redis_server import start_redis_server
+from pipelinerl.tasks import make_train_task
 
 ERROR_FILE = "{role}.error"
 # How long the trainer may keep running after every actor left. Actors leave on the trainer's
@@ -80,8 +85,6 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
             "or pass --overwrite"
         )
     if overwrite and run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if not cfg.model.path:
@@ -96,7 +99,6 @@ def prepare_resume(cfg: Config) -> Config:
     """The run in cfg.run_dir, continued as its next attempt with `cfg`'s settings; refused if
     `cfg` changes a RESUME_FIXED key (named). The earlier attempt's logs move to
     logs/attempt<N>/."""
-    from pipelinerl.config import load_config
 
     run_dir = cfg.run_dir
     saved_path = run_dir / "config.yaml"
@@ -141,9 +143,7 @@ def _changed(saved: Config, cfg: Config, keys: tuple[str, ...]) -> list[str]:
 
 def starting_model(cfg: Config) -> Path:
     """The warm-started tiny model for the task (built and cached on first use)."""
-    from dataclasses import replace
-
-    from pipelinerl.tasks import make_train_task
+    # transformers (~8 s to import here): only a run without model.path needs it.
     from pipelinerl.warmstart import WarmStartConfig, resolve_cache_dir, warm_start
 
     if not cfg.warmstart.enabled:
@@ -192,8 +192,6 @@ def _die_with_parent() -> None:
     """Linux: a role (or the run's redis) gets SIGTERM when the launcher dies, even by SIGKILL:
     no orphans."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -303,9 +301,6 @@ def check_task(cfg: Config) -> None:
     """Build the task as the roles will, so that a module that does not import, a class that
     is not a Task, bad params or a task the verifier workers cannot receive are reported now,
     before any process starts, rather than as a role's traceback."""
-    from pipelinerl.scoring import check_sendable
-    from pipelinerl.tasks import make_train_task
-
     try:
         task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
         check_sendable(task)
@@ -325,6 +320,7 @@ def check_model(cfg: Config) -> None:
     """Refuse, before any role starts, a model that the actor's engine would refuse later
     (an unsupported family, or a feature the torch engine lacks), or whose tokenizer cannot
     format the prompts as asked (no chat template, no EOS token)."""
+    # transformers (~8 s to import): the launcher imports it only once it checks a model.
     from pipelinerl.models.hf import check_engine_model
     from pipelinerl.models.prompts import prompt_format
 
@@ -332,7 +328,7 @@ def check_model(cfg: Config) -> None:
         check_engine_model(cfg.model.path, cfg.engine.backend, cfg.engine.max_seq_len)
         prompt_format(cfg, cfg.model.path)
         if cfg.model.lora is not None:
-            from pipelinerl.models.lora import check_targets
+            from pipelinerl.models.lora import check_targets  # peft: ~3 s more, LoRA runs only
 
             check_targets(cfg.model.path, cfg.model.lora)
     except ValueError as e:
@@ -341,7 +337,6 @@ def check_model(cfg: Config) -> None:
 
 def _run(cfg: Config, signals: StopSignals, resume_command: str = "") -> tuple[int, str | None]:
     """The run's exit code, and the role whose failure ended it (None if none did)."""
-    from pipelinerl.streams.redis_server import start_redis_server
 
     run_dir = cfg.run_dir
     config_path = str(run_dir / "config.yaml")
