@@ -136,11 +136,12 @@ def run_actor(model_dir: Path, tokenizer: Any, delay_s: float, inline: bool,
               warmup_s: float, measure_s: float) -> Measure:
     from pipelinerl.actor import Actor, Streams
     from pipelinerl.config import Config
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.hf import encode_prompt
     from pipelinerl.models.prompts import Codec
 
-    engine = TorchEngine.from_pretrained(model_dir, capacity=CAPACITY, max_seq_len=128, seed=0)
+    engine = TorchEngine.from_pretrained(model_dir, EngineOptions(capacity=CAPACITY, max_seq_len=128))
     trainer = InstantTrainer()
     task = SleepyArithmeticTask(delay_s)
     marks: dict[str, float] = {}

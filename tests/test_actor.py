@@ -19,6 +19,7 @@ from tiny_models import VOCAB, tiny_hf_model
 from pipelinerl.admission import LocalLedger, MemoryLedger
 from pipelinerl.actor import Actor, ActorStats, Schedule, Streams
 from pipelinerl.config import Config
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.math import MathTask
@@ -135,7 +136,7 @@ def make_actor(engine: Any, task: Any, schedule: Schedule, *, engine_cfg: dict[s
 
 def torch_engine(capacity: int) -> TorchEngine:
     hf = tiny_hf_model("qwen2")
-    engine = TorchEngine(hf.config, capacity=capacity, max_seq_len=40)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=capacity, max_seq_len=40))
     engine.load_weights(hf.state_dict(), version=0)
     return engine
 

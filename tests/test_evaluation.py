@@ -14,6 +14,7 @@ import torch
 
 from fake_tasks import AnswerTask, FirstAttemptTask
 from pipelinerl.config import ConfigError, EvalConfig, load_config
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.evaluation import EvalMode, evaluate, eval_modes
 from pipelinerl.scoring import Scorer
@@ -94,7 +95,7 @@ def test_eval_config_is_checked() -> None:
 
 def _engine(capacity: int = 8) -> TorchEngine:
     hf = tiny_hf_model("qwen2")
-    engine = TorchEngine(hf.config, capacity=capacity, max_seq_len=64)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=capacity, max_seq_len=64))
     engine.load_weights(hf.state_dict(), version=3)
     return engine
 

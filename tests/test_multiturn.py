@@ -15,6 +15,7 @@ from test_rl import _FixedLogitsModel
 from tiny_models import tiny_hf_model
 
 from pipelinerl.actor import Schedule
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.packing import pack
 from pipelinerl.types import ENV_VERSION, Group, Sample, SamplingParams
@@ -64,7 +65,7 @@ def multiturn_actor(hang: frozenset[str] = frozenset(), fail: frozenset[str] = f
     """An actor on a real engine whose greedy first token is the environment's turn stop, so
     every rollout has at least two model turns."""
     hf = tiny_hf_model("qwen2")
-    engine = TorchEngine(hf.config, capacity=4, max_seq_len=40)
+    engine = TorchEngine(hf.config, EngineOptions(capacity=4, max_seq_len=40))
     engine.load_weights(hf.state_dict(), version=0)
     prompt = "abcd"
     first = int(hf(torch.tensor([encode(prompt)])).logits[0, -1].argmax())

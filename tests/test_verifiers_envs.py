@@ -23,6 +23,7 @@ from test_prompts import SPECIAL, TEMPLATE, instruct_tokenizer
 
 from pipelinerl.actor import Schedule
 from pipelinerl.endpoint import GenerateEndpoint
+from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
 from pipelinerl.models.hf import load_tokenizer
@@ -101,8 +102,8 @@ class Served:
 
     def __init__(self, model_dir: Path, capacity: int = 4) -> None:
         self.tokenizer = load_tokenizer(model_dir)
-        self.engine = TorchEngine.from_pretrained(model_dir, capacity=capacity,
-                                                  max_seq_len=MAX_LEN, seed=3)
+        self.engine = TorchEngine.from_pretrained(
+            model_dir, EngineOptions(capacity=capacity, max_seq_len=MAX_LEN, seed=3))
         self.endpoint = GenerateEndpoint(model="chat", max_model_len=MAX_LEN,
                                          vocab_size=len(self.tokenizer), default_max_tokens=16)
         self.driver = _Driver(self.engine, self.endpoint)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 
 from pipelinerl.config import Config, EvalConfig
-from pipelinerl.engine import _DTYPES, Engine, make_engine
+from pipelinerl.engine import Engine, make_engine, torch_dtype
 from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.eval_results import EVAL_PREFIX, logged_versions
@@ -412,7 +412,7 @@ class _Evaluator:
         self.setup, self.engine = build_eval_setup(cfg, cfg.model.path)
         # On the engine's device and in its dtype: one more copy of the model, not an fp32 one
         # in host memory that every received version would cross.
-        staging_model = load_model(cfg.model.path, dtype=_DTYPES[cfg.engine.dtype],
+        staging_model = load_model(cfg.model.path, dtype=torch_dtype(cfg.engine.dtype),
                                    device=eval_device(cfg))
         # restarted: the launcher may start the evaluator again after it died, and a broadcast
         # group then forms again to take it (only the launcher starts an evaluator: no duplicate).
