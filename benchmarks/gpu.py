@@ -12,6 +12,12 @@ Checks (`--checks`, default 1-5):
   5 pipeline: `pipelinerl train` with actor and trainer sharing the device, pipeline vs
     conventional G=1.
   6 engine profile: where one decode step's time goes (torch.profiler), small-copy costs.
+  7 step profile: a 32-sample SmolLM2-shaped `rl_step`: ms, kernels launched, host syncs.
+  8 smollm2: examples/smollm2.yaml on the device from its GGUF, pipeline vs conventional G=2,
+    held-out pass@1 over time.
+
+`--plan issue35` runs 7,2,4,8 in one call of at most 9 minutes; benchmarks/gpu_session.sh
+prepares its carriage (wheels the GPU machine lacks, the GGUF in two parts) and runs it there.
 
 Models are random-initialised from `transformers` configs (no download). Results go to
 `<out>/gpu.json` and `<out>/gpu.md` after every check, so a run cut short keeps what it did.
@@ -68,6 +74,13 @@ class Ctx:
     pipeline_seconds: int = 75
     capacities: tuple[int, ...] = DEFAULT_CAPACITIES
     hf: bool = True  # check 2 also times HF generate
+    brief: bool = False  # check 4 times only the trainer's own settings (the one-call plan)
+    gguf: Path = Path("/tmp/smol.gguf")  # check 8's model
+    smollm2_seconds: int = 150  # check 8: trainer.max_time_s of each run
+    deadline: float | None = None  # perf_counter() by which every check must have ended
+
+    def seconds_left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.perf_counter()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -103,10 +116,12 @@ def build_hf(shape: dict[str, Any], device: torch.device, dtype: torch.dtype = t
 
 def build_engine(hf: Any, capacity: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  seed: int = 0, cuda_graphs: bool = True) -> Any:
+    from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
 
-    engine = TorchEngine(hf.config, capacity=capacity, max_seq_len=max_seq_len, device=device,
-                         dtype=dtype, seed=seed, cuda_graphs=cuda_graphs)
+    engine = TorchEngine(hf.config, EngineOptions(
+        capacity=capacity, max_seq_len=max_seq_len, device=str(device),
+        dtype=str(dtype).removeprefix("torch."), seed=seed, cuda_graphs=cuda_graphs))
     engine.load_weights(hf.state_dict(), version=0)
     return engine
 
@@ -282,7 +297,7 @@ def decode_step_ms(ctx: Ctx, engine: Any, n: int, prompt_len: int, steps: int) -
     for _ in range(3):
         engine.step()
     step_s, _ = timed(ctx, lambda: [engine.step() for _ in range(steps)])
-    cache, model = engine._cache, engine.model
+    cache, model = engine._runner.cache, engine.model
     length = int(engine._len[:n].max())
     ids = torch.randint(vocab, (n,), device=ctx.device)
     pos = torch.full((n,), length - 1, device=ctx.device)
@@ -324,8 +339,8 @@ def graph_forward_ms(ctx: Ctx, model: Any, cache: Any, ids: torch.Tensor, pos: t
 def engine_drain(engine: Any) -> None:
     """Drop every running and queued sequence (benchmark helper)."""
     engine._queue.clear()
-    if engine._n:
-        engine._free(engine._deactivate(list(range(engine._n))))
+    if engine.num_running():
+        engine._free(engine._deactivate(list(range(engine.num_running()))))
 
 
 def check_engine(ctx: Ctx) -> dict[str, Any]:
@@ -525,15 +540,15 @@ def make_groups(n_groups: int, group_size: int, vocab: int, rng: random.Random, 
 def packing_agrees(model: Any, groups: list[Any], device: torch.device) -> float:
     """max |packed - one sequence per forward| of the trainer's log-probs (fp32): transformers
     must see the packed sequences apart (block-diagonal attention from position_ids)."""
-    from pipelinerl.rl.packing import pack, pad, token_logprobs
+    from pipelinerl.rl.packing import pack, pad, score_tokens
 
     samples = [s for g in groups for s in g.samples][:8]
     adv = torch.zeros(len(samples))
     with torch.no_grad():
         packed = pack(samples, adv, 1 << 20)
         assert len(packed) == 1
-        lp_packed = token_logprobs(model, packed[0].to(device))
-        lp_single = torch.cat([token_logprobs(model, b.to(device)) for b in pad(samples, adv, 1)])
+        lp_packed = score_tokens(model, packed[0].to(device)).logprobs
+        lp_single = torch.cat([score_tokens(model, b.to(device)).logprobs for b in pad(samples, adv, 1)])
     order = packed[0].seq_idx.argsort(stable=True).to(device)  # pad keeps sample order
     return float((lp_packed[order] - lp_single).abs().max())
 
@@ -542,6 +557,7 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
     from pipelinerl.config import Config
     from pipelinerl.rl.attention import use_per_sequence_attention
     from pipelinerl.rl.step import rl_step
+    from pipelinerl.trainer import make_optimizer
 
     dev, res = ctx.device, {}
     shape = QUICK if ctx.quick else QWEN2_05B
@@ -567,13 +583,15 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
                 ("fp32", 4096, False, False, "sdpa"), ("tf32", 4096, True, False, "sdpa"),
                 ("bf16 autocast", 4096, True, True, "sdpa"),
                 ("bf16 autocast", 4096, True, True, "per_sequence")]
+    if ctx.brief:  # the trainer's own settings on CUDA, and the tf32 figure of the last GPU run
+        variants = variants[-3::2]
     for name, rows, tf32, autocast, attention in variants:
         if attention == "per_sequence":
             use_per_sequence_attention(model)
             name = f"{name} per_sequence"
         cfg = Config.model_validate({"trainer": {"batch_size": batch, "max_tokens_per_row": rows},
                                      "actor": {"group_size": group_size}})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        optimizer = make_optimizer(model, cfg.trainer)  # the trainer's own (fused on CUDA)
         torch.backends.cuda.matmul.allow_tf32 = tf32
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -651,6 +669,20 @@ def summarise_run(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def run_cli(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run `pipelinerl train` in its own process group; past `timeout` the whole group (launcher,
+    actor, trainer) is killed, and what the run recorded so far stays on disk."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        err += f"\nkilled after {timeout:.0f} s"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def check_pipeline(ctx: Ctx) -> dict[str, Any]:
     res: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="gpu-pipeline-"))
@@ -677,7 +709,7 @@ def check_pipeline(ctx: Ctx) -> dict[str, Any]:
     for name, extra in runs.items():
         cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(config), f"name={name}", *common, *extra]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=seconds + 240, check=False)
+        proc = run_cli(cmd, env, seconds + 240)
         entry: dict[str, Any] = {"rc": proc.returncode, "wall_s": time.perf_counter() - t0,
                                  "overrides": extra}
         run_dir = work / "runs" / name
@@ -737,7 +769,7 @@ _WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 
 def check_step_profile(ctx: Ctx) -> dict[str, Any]:
     """A 32-sample SmolLM2 step as the trainer takes it (per_sequence attention, fused AdamW,
-    bf16 autocast on CUDA): ms a step, and per step the kernels launched, the host waits for the
+    trainer.precision=bfloat16 on CUDA): ms a step, and per step the kernels launched, the host waits for the
     device and the device-to-host reads of values (aten::_local_scalar_dense), from
     torch.profiler; the top ops by device time go to $OUT/step_profile.txt. Aim (issue 35): a
     step of 32 samples <= 100 ms on an H100/H200."""
@@ -755,15 +787,16 @@ def check_step_profile(ctx: Ctx) -> dict[str, Any]:
     with torch.device(dev):
         model = LlamaForCausalLM(LlamaConfig(**shape)).train()
     use_per_sequence_attention(model)
-    cfg = Config.model_validate({"trainer": {"batch_size": 32}, "actor": {"group_size": 8}})
+    precision = "bfloat16" if dev.type == "cuda" else "float32"
+    cfg = Config.model_validate({"trainer": {"batch_size": 32, "precision": precision,
+                                             "device": str(dev)}, "actor": {"group_size": 8}})
     optimizer = make_optimizer(model, cfg.trainer)
     rng = random.Random(7)
     batches = [make_groups(4, 8, shape["vocab_size"], rng, True) for _ in range(6)]
-    autocast = dev.type == "cuda"
+    res["precision"] = precision
 
     def step(groups: list[Any]) -> dict[str, Any]:
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            return rl_step(model, optimizer, groups, cfg, trainer_version=0)
+        return rl_step(model, optimizer, groups, cfg, trainer_version=0)
 
     step(batches[0])  # warm-up: allocator, kernels, Adam's state
     times, tokens = [], 0
@@ -788,12 +821,84 @@ def check_step_profile(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+# -- 8. SmolLM2 learning: pipeline vs conventional G=2 ---------------------------------------
+
+SMOLLM2_OVERHEAD_S = 60
+SMOLLM2_RUNS = {"pipeline": ["mode=pipeline"], "conventional_g2": ["mode=conventional", "conventional_g=2"]}
+
+
+def held_out_curve(run_dir: Path) -> list[tuple[float, float]]:
+    """(seconds, held-out pass@1 at T=1) of each evaluation pass of a run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(r["time_s"], r["eval/sampled/pass@1"]) for r in rows if "eval/sampled/pass@1" in r]
+
+
+def first_time_at(curve: list[tuple[float, float]], level: float) -> float | None:
+    return next((t for t, v in curve if v >= level), None)
+
+
+def check_smollm2(ctx: Ctx) -> dict[str, Any]:
+    """examples/smollm2.yaml on the device (bf16 engine and trainer, capacity 128, two threads a role,
+    held-out pass of 200 problems every 30 s), the pipeline and conventional RL G=2 for
+    `--smollm2-seconds` of training each: the held-out curve and the time to 0.9. The model is
+    the GGUF at `--gguf` (carried as benchmarks/gpu_session.sh does). Aim (issue 35): the
+    pipeline reaches 0.9 in <= 30 s."""
+    res: dict[str, Any] = {}
+    if not ctx.gguf.is_file():
+        raise FileNotFoundError(f"{ctx.gguf}: SmolLM2's GGUF, carried as benchmarks/gpu_session.sh says")
+    wanted = 20 if ctx.quick else ctx.smollm2_seconds
+    # Each run also starts, converts the GGUF (first run) and evaluates at the end: ~60 s.
+    seconds = int(min(wanted, (ctx.seconds_left() - 2 * SMOLLM2_OVERHEAD_S) / 2))
+    if seconds < min(wanted, 30):
+        raise TimeoutError(f"{ctx.seconds_left():.0f} s left before the deadline: too few for two runs")
+    res["seconds_each"] = seconds
+    dev = ctx.device.type
+    work = Path(tempfile.mkdtemp(prefix="gpu-smollm2-"))
+    example = Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"
+    common = [f"model.path={ctx.gguf}", f"output_dir={work}", f"engine.device={dev}", f"trainer.device={dev}",
+              *(["engine.dtype=bfloat16", "trainer.precision=bfloat16"] if dev == "cuda" else []),
+              "engine.capacity=128",
+              "actor.threads=2", "trainer.threads=2", f"trainer.max_time_s={seconds}", "eval.every_s=30",
+              "metrics.progress=false", "metrics.plot=false",
+              *(["eval.num_problems=20", "eval.every_s=10"] if ctx.quick else [])]
+    import pipelinerl  # the roles import the same source tree as this script
+
+    src = str(Path(pipelinerl.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    for name, extra in SMOLLM2_RUNS.items():
+        cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(example), f"name={name}", *common, *extra]
+        t0 = time.perf_counter()
+        proc = run_cli(cmd, env, min(seconds + 240, max(ctx.seconds_left(), 1)))
+        entry: dict[str, Any] = {"rc": proc.returncode, "wall_s": time.perf_counter() - t0, "overrides": extra}
+        run_dir = work / name
+        if (run_dir / "metrics.jsonl").exists():
+            curve = held_out_curve(run_dir)
+            entry |= summarise_run(run_dir) | {
+                "held_out": ", ".join(f"{v:.3f}@{t:.0f}s" for t, v in curve),
+                "seconds_to_0.9": first_time_at(curve, 0.9)}
+        if proc.returncode:
+            entry["stderr_tail"] = proc.stderr[-3000:]
+        res[name] = entry
+        log(f"  {name}: {entry}")
+        ctx.results["smollm2"] = res
+        ctx.save()
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "1": check_correctness, "2": check_engine, "3": check_pause, "4": check_trainer, "5": check_pipeline,
-    "6": check_profile, "7": check_step_profile,
+    "6": check_profile, "7": check_step_profile, "8": check_smollm2,
 }
 NAMES = {"1": "correctness", "2": "engine", "3": "pause", "4": "trainer", "5": "pipeline",
-         "6": "engine_profile", "7": "step_profile"}
+         "6": "engine_profile", "7": "step_profile", "8": "smollm2"}
+
+
+PLANS: dict[str, dict[str, Any]] = {
+    "issue35": {"doc": "what issue 35 measures, in one call of at most 9 minutes: checks 7,2,4,8, "
+                       "capacities 64,256 without HF, two trainer settings, all ended by 510 s",
+                "args": {"checks": "7,2,4,8", "capacities": "64,256", "no_hf": True, "deadline_s": 510}},
+}
 
 
 def main() -> None:
@@ -807,7 +912,15 @@ def main() -> None:
                         help="engine capacities of check 2 (default 64,128,256; --quick 8,16)")
     parser.add_argument("--no-hf", action="store_true", help="check 2 without the HF generate baseline")
     parser.add_argument("--pipeline-seconds", type=int, default=75, help="trainer.max_time_s of each run")
+    parser.add_argument("--gguf", type=Path, default=Path("/tmp/smol.gguf"), help="check 8's SmolLM2 GGUF")
+    parser.add_argument("--smollm2-seconds", type=int, default=150, help="check 8: trainer.max_time_s of each run")
+    parser.add_argument("--deadline-s", type=float, default=0,
+                        help="seconds from start by which every check ends (check 8 shortens its runs to fit)")
+    parser.add_argument("--plan", choices=sorted(PLANS), help="a preset of the above: " + "; ".join(
+        f"{k}: {v['doc']}" for k, v in PLANS.items()))
     args = parser.parse_args()
+    for key, value in PLANS[args.plan]["args"].items() if args.plan else ():
+        setattr(args, key, value)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -821,10 +934,15 @@ def main() -> None:
            f"{os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M')}")
     ctx = Ctx(device, args.quick, args.out, {"environment": env}, args.pipeline_seconds,
               tuple(int(c) for c in args.capacities.split(",")) if args.capacities
-              else QUICK_CAPACITIES if args.quick else DEFAULT_CAPACITIES, not args.no_hf)
+              else QUICK_CAPACITIES if args.quick else DEFAULT_CAPACITIES, not args.no_hf,
+              brief=bool(args.plan), gguf=args.gguf, smollm2_seconds=args.smollm2_seconds,
+              deadline=time.perf_counter() + args.deadline_s if args.deadline_s else None)
     log(env)
     for number in args.checks.split(","):
         name = NAMES[number]
+        if ctx.seconds_left() <= 0:
+            ctx.results[name] = {"error": "not run: the deadline had passed"}
+            continue
         log(f"check {number}: {name}")
         t0 = time.perf_counter()
         try:

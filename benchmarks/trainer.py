@@ -8,7 +8,7 @@ advantages = reward - group mean, behaviour log-probs = the initial model's + no
 importance weights are not all 1), batch 64 sequences per optimizer step.
 
 - packed: `pack()` (first-fit decreasing into rows of `max_tokens_per_row` tokens) +
-  `token_logprobs` + `reinforce_tis_loss`, backward per row, grad clip, AdamW: what
+  `score_tokens` + `reinforce_tis_loss`, backward per row, grad clip, AdamW: what
   `pipelinerl.rl.step.rl_step` does, minus its metrics.
 - padded: one right-padded batch of 64 rows with attention_mask, full logits, log_softmax,
   gather, the same REINFORCE-TIS loss written out, backward, grad clip, AdamW.
@@ -115,13 +115,13 @@ def padded_loss(model: Any, samples: list[Any], advantages: torch.Tensor) -> flo
 
 
 def packed_loss(model: Any, samples: list[Any], advantages: torch.Tensor, row_tokens: int) -> float:
-    """Forward + backward through the project's path: pack, token_logprobs, reinforce_tis_loss."""
+    """Forward + backward through the project's path: pack, score_tokens, reinforce_tis_loss."""
     from pipelinerl.rl.losses import reinforce_tis_loss
-    from pipelinerl.rl.packing import pack, token_logprobs
+    from pipelinerl.rl.packing import pack, score_tokens
 
     total = 0.0
     for batch in pack(samples, advantages, row_tokens):
-        new = token_logprobs(model, batch)
+        new = score_tokens(model, batch).logprobs
         loss = reinforce_tis_loss(new, batch.old_logprobs, batch.advantages,
                                   normalizer=len(samples), clip_c=IS_CLIP)
         loss.backward()
@@ -298,7 +298,7 @@ def render(load: tuple[float, float, float], n_steps: int, batch_size: int, row_
         "included. tok/s = useful (non-padding) input tokens / wall time; vs padded = median over "
         "steps of padded time / the path's time (wall; \"by CPU time\": from process CPU time, "
         "which waits for a core on a loaded machine do not inflate). Packed N = "
-        "`pack(max_tokens_per_row=N)` + `token_logprobs` + `reinforce_tis_loss`, attended as one "
+        "`pack(max_tokens_per_row=N)` + `score_tokens` + `reinforce_tis_loss`, attended as one "
         "masked row (transformers' sdpa, block-diagonal mask: `trainer.packed_attention="
         "masked_row`) or per sequence (`per_sequence`, one causal SDPA per packed sequence).\n\n"
         + _results.table(head, rows)

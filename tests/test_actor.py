@@ -21,9 +21,9 @@ from pipelinerl.actor import Actor, ActorStats, Schedule, Streams
 from pipelinerl.config import Config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.models.prompts import Codec
 from pipelinerl.scoring import Scorer
 from pipelinerl.tasks.math import MathTask
-from pipelinerl.models.prompts import Codec
 from pipelinerl.types import GenerationOutput, GenerationRequest
 
 

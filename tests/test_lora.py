@@ -20,7 +20,7 @@ from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.lora import apply_lora, merged_model, merged_weights
-from pipelinerl.rl.packing import pack, token_logprobs
+from pipelinerl.rl.packing import pack, score_tokens
 from pipelinerl.rl.step import rl_step
 from pipelinerl.trainer import Trainer, trainer_weights
 from pipelinerl.types import GenerationRequest, Sample, SamplingParams
@@ -87,7 +87,7 @@ def test_engine_on_merged_weights_samples_the_trainers_policy(arch: str) -> None
                for i, p in enumerate(prompts)]
     (batch,) = pack(samples, [0.0] * len(samples), max_tokens_per_row=64)
     with torch.no_grad():
-        trainer_lp = token_logprobs(model.eval(), batch)
+        trainer_lp = score_tokens(model.eval(), batch).logprobs
     for i, sample in enumerate(samples):  # packing orders sequences its own way
         torch.testing.assert_close(trainer_lp[batch.seq_idx == i], torch.tensor(sample.logprobs),
                                    atol=1e-4, rtol=0)

@@ -34,7 +34,7 @@ from pipelinerl.models.tiny import (
     build_tiny_model,
     init_tiny_model,
 )
-from pipelinerl.rl.packing import pack, token_logprobs
+from pipelinerl.rl.packing import pack, score_tokens
 from pipelinerl.tasks.arithmetic import ALPHABET, ChainArithmeticTask
 from pipelinerl.types import Sample
 from pipelinerl.warmstart import encode_demo
@@ -243,7 +243,7 @@ def test_trainer_packs_qwen3_and_mistral_with_block_diagonal_attention(
     (batch,) = pack(samples, [0.0] * 3, max_tokens_per_row=64)
     assert batch.num_sequences == 3
     with torch.no_grad():
-        packed = token_logprobs(model, batch)
+        packed = score_tokens(model, batch).logprobs
         for i, s in enumerate(samples):
             ids = torch.tensor([s.prompt_ids + s.token_ids])
             alone = model(ids).logits[0, len(s.prompt_ids) - 1 : -1].log_softmax(-1)

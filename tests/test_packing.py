@@ -11,7 +11,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from pipelinerl.rl.attention import _segments, use_per_sequence_attention
 from pipelinerl.rl.losses import reinforce_tis_loss
-from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, token_logprobs
+from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, score_tokens
 from pipelinerl.types import Sample
 from tiny_models import ARCHS, reference_truncation, tiny_hf_model
 from tiny_models import VOCAB as VOCAB_HF
@@ -183,7 +183,7 @@ def test_packed_and_padded_match_unpacked(
         }
         for batches in (pack(samples, adv, ROW), pad(samples, adv), pad(samples, adv, 40)):
             lps = [
-                token_logprobs(model, b, temperature, top_k, top_p, chunk_tokens=chunk)
+                score_tokens(model, b, temperature, top_k, top_p, chunk_tokens=chunk).logprobs
                 for b in batches
             ]
             got = by_sequence(batches, lps)
@@ -202,7 +202,7 @@ def test_packed_gradient_matches_padded(top_k: int, top_p: float) -> None:
     def step_grad(batches: list[PackedBatch], chunk: int | None = None) -> torch.Tensor:
         model.zero_grad()
         for b in batches:
-            new = token_logprobs(model, b, top_k=top_k, top_p=top_p, chunk_tokens=chunk)
+            new = score_tokens(model, b, top_k=top_k, top_p=top_p, chunk_tokens=chunk).logprobs
             reinforce_tis_loss(new, b.old_logprobs, b.advantages, len(samples)).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -226,9 +226,9 @@ def test_per_sequence_attention_matches_the_masked_row(arch: str) -> None:
     assert any(len(b.seq_idx.unique()) > 2 for b in batches)  # rows of several sequences
     model = tiny_hf_model(arch)
     with torch.no_grad():
-        want = [token_logprobs(model, b) for b in batches]
+        want = [score_tokens(model, b).logprobs for b in batches]
         use_per_sequence_attention(model)
-        got = [token_logprobs(model, b) for b in batches]
+        got = [score_tokens(model, b).logprobs for b in batches]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
 
@@ -238,7 +238,7 @@ def test_per_sequence_attention_refuses_a_sequence_beyond_the_sliding_window() -
     model = tiny_hf_model("mistral", sliding_window=8)
     use_per_sequence_attention(model)
     with pytest.raises(ValueError, match="sliding window"):
-        token_logprobs(model, pack(samples, [0.0] * len(samples), 40)[0])
+        score_tokens(model, pack(samples, [0.0] * len(samples), 40)[0]).logprobs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -260,7 +260,7 @@ def test_per_sequence_segments_cost_no_host_copy_from_the_packer_and_one_without
             batch = dataclasses.replace(batch, sequence_lengths=None, cu_seqlens=None)
         copies.clear()
         with torch.no_grad():
-            token_logprobs(model, batch)
+            score_tokens(model, batch).logprobs
         return len(copies)
 
     assert host_copies(4, True) == host_copies(1, True) == 0

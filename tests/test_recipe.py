@@ -30,7 +30,7 @@ from pipelinerl.rl.losses import (
     reference_k3,
     reinforce_tis_loss,
 )
-from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens, token_logprobs
+from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens
 from pipelinerl.rl.schedule import LrFactor, make_scheduler
 from pipelinerl.rl.step import _sequence_ess, rl_step
 from pipelinerl.types import Group, Sample
@@ -259,7 +259,7 @@ def test_is_mask_through_the_step() -> None:
     samples = [s for grp in groups for s in grp.samples]
     model = tiny_hf_model("qwen2", seed=1).train()
     (batch,) = pad(samples, groups_advantages(groups, "mean", False))
-    new = token_logprobs(model, batch, 1.0)
+    new = score_tokens(model, batch, 1.0).logprobs
     keep = importance_mask(new, batch.old_logprobs, 0.5, 2.0)
     assert 0 < (~keep).sum() < keep.numel()  # the made-up log-probs put tokens on both sides
     reinforce_tis_loss(new, batch.old_logprobs, batch.advantages, len(samples), mask=keep).backward()
@@ -493,7 +493,7 @@ def test_truncated_mask_through_the_step() -> None:
     kept_adv = adv[[i for i, s in enumerate(samples) if s.finish_reason == "stop"]]
     model = tiny_hf_model("qwen2", seed=1).train()
     (batch,) = pad(kept, kept_adv)
-    new = token_logprobs(model, batch, 1.0)
+    new = score_tokens(model, batch, 1.0).logprobs
     reinforce_tis_loss(new, batch.old_logprobs, batch.advantages, len(samples)).backward()
     grads, m = step_grads(groups, "trainer.loss.truncated=mask")
     kept_grads, _ = step_grads(groups)
@@ -554,7 +554,7 @@ def test_vcpo_baseline_through_the_step() -> None:
     samples = [s for g in groups for s in g.samples]
     model = tiny_hf_model("qwen2", seed=1).train()
     (batch,) = pad(samples, torch.zeros(len(samples)))
-    new = token_logprobs(model, batch, 1.0)
+    new = score_tokens(model, batch, 1.0).logprobs
     log_w = torch.zeros(len(samples), dtype=torch.float64).index_add(
         0, batch.seq_idx, (new.detach() - batch.old_logprobs).double())
     adv = groups_advantages(groups, "vcpo", log_weights=log_w)

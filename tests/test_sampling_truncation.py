@@ -25,7 +25,7 @@ from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.sampling import sample_tokens
 from pipelinerl.engine.torch_engine import TorchEngine
-from pipelinerl.rl.packing import pack, pad, token_logprobs
+from pipelinerl.rl.packing import pack, pad, score_tokens
 from pipelinerl.rl.step import rl_step
 from pipelinerl.types import GenerationRequest, Group, Sample, SamplingParams
 
@@ -87,15 +87,15 @@ def test_lag0_rho_is_one_per_token_packed_padded_and_chunked(top_k: int, top_p: 
     samples = [s for g in generate_groups(model, top_k, top_p) for s in g.samples]
     adv = [0.0] * len(samples)
     with torch.no_grad():
-        full = [token_logprobs(model, b, TEMPERATURE) - b.old_logprobs
+        full = [score_tokens(model, b, TEMPERATURE).logprobs - b.old_logprobs
                 for b in pack(samples, adv, 64)]
         # Without the mirrored truncation, log rho = log Z < 0 (the kept mass): the bug.
         assert torch.cat(full).max() < -1e-3
         for batches, chunk in ((pack(samples, adv, 64), None), (pad(samples, adv), None),
                                (pack(samples, adv, 64), 3)):
             for b in batches:
-                new = token_logprobs(model, b, TEMPERATURE, top_k=top_k, top_p=top_p,
-                                     chunk_tokens=chunk)
+                new = score_tokens(model, b, TEMPERATURE, top_k=top_k, top_p=top_p,
+                                     chunk_tokens=chunk).logprobs
                 rho = torch.exp(new - b.old_logprobs)
                 torch.testing.assert_close(rho, torch.ones_like(rho), atol=1e-5, rtol=0)
 

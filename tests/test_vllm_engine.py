@@ -148,7 +148,7 @@ def test_trainer_scores_the_distribution_vllm_sampled_from(
 ) -> None:
     """Lag 0, same weights: the trainer's log-probs under the mirrored top-k / top-p
     truncation equal vLLM's processed log-probs, so rho = 1 per token."""
-    from pipelinerl.rl.packing import pack, token_logprobs
+    from pipelinerl.rl.packing import pack, score_tokens
     from pipelinerl.types import Sample
 
     temperature = 1.3
@@ -161,7 +161,7 @@ def test_trainer_scores_the_distribution_vllm_sampled_from(
     ]
     with torch.no_grad():
         for b in pack(samples, [0.0] * len(samples), 64):
-            new = token_logprobs(models["a"][0], b, temperature, top_k=top_k, top_p=top_p)
+            new = score_tokens(models["a"][0], b, temperature, top_k=top_k, top_p=top_p).logprobs
             rho = torch.exp(new - b.old_logprobs)
             torch.testing.assert_close(rho, torch.ones_like(rho), atol=1e-4, rtol=0)
 

@@ -13,7 +13,7 @@ transformers 5.23 honours (measured on Qwen2 with sdpa and eager, see tests/test
     sequences and builds the block-diagonal causal mask itself (flash-attention uses varlen).
     It does so only when no KV cache is passed, and a causal LM creates a cache whenever
     use_cache is on, which is the config default even in train mode: without use_cache=False
-    the sequences silently attend to each other. `token_logprobs` always passes it.
+    the sequences silently attend to each other. `score_tokens` always passes it.
   - a 4D boolean mask is honoured by sdpa but eager adds it to the scores as 0/1, silently
     wrong; a 4D additive float mask works with both but costs rows x L^2 memory and is
     refused by flash-attention. So we do not build 4D masks.
@@ -398,15 +398,3 @@ def score_tokens(
         flat, batch.logit_index, batch.target_ids, temperature, chunk, truncation, entropy_grad
     )
     return TokenScores(logprobs, entropy)
-
-
-def token_logprobs(
-    model: nn.Module,
-    batch: PackedBatch,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    chunk_tokens: int | None = None,
-) -> Tensor:
-    """Trainer log-probs (K,) float32 of the batch's trained tokens (`score_tokens`)."""
-    return score_tokens(model, batch, temperature, top_k, top_p, chunk_tokens).logprobs
