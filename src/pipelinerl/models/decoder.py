@@ -315,18 +315,9 @@ class Attention(FusingModule):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def extend(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        written: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               written: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """New tokens x: [m, T, D] at `positions` [m, T] of `slots`, attending to the cache up
         to each one's position; only the real (not padding) entries `written` = (rows, cols)
         are stored. mask: [m, 1, T, L] (True = attend)."""
@@ -342,17 +333,9 @@ class Attention(FusingModule):
         )
         return self.o_proj(out.transpose(1, 2).reshape(m, t, -1))
 
-    def decode(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
         """One token per sequence, x: [n, D] for slots 0..n-1; mask: [n, 1, 1, L] (True = attend)."""
         n = x.shape[0]
         group = self.num_heads // self.num_kv_heads

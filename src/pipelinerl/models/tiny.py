@@ -13,7 +13,7 @@ encodings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -77,11 +77,7 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, preset: str = "tiny") -> Qwe
     p = PRESETS[preset]
     return Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=p.hidden_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        intermediate_size=p.intermediate_size,
+        **asdict(p),  # a preset's fields are Qwen2Config's own
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

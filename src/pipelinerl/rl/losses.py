@@ -69,15 +69,9 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps: float, eps_high: 
     return torch.minimum(ratio * advantages, ratio.clamp(1 - eps, 1 + high) * advantages)
 
 
-def ppo_clip_loss(
-    new_logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    normalizer: float,
-    eps: float = 0.2,
-    mask: Tensor | None = None,
-    eps_high: float | None = None,
-) -> Tensor:
+def ppo_clip_loss(new_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, normalizer: float,
+                  eps: float = 0.2, mask: Tensor | None = None, eps_high: float | None = None
+                  ) -> Tensor:
     """PPO's clipped surrogate with the behaviour policy as the reference policy.
 
     per token: -min(r * A, clip(r, 1 - eps, 1 + eps_high) * A), r = exp(log pi - log mu);
@@ -87,16 +81,9 @@ def ppo_clip_loss(
     return -_masked_sum(_clipped_surrogate(ratio, advantages, eps, eps_high), mask) / normalizer
 
 
-def gspo_loss(
-    new_logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    seq_idx: Tensor,
-    normalizer: float,
-    eps: float = 0.2,
-    mask: Tensor | None = None,
-    eps_high: float | None = None,
-) -> Tensor:
+def gspo_loss(new_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_idx: Tensor,
+              normalizer: float, eps: float = 0.2, mask: Tensor | None = None,
+              eps_high: float | None = None) -> Tensor:
     """GSPO (Zheng et al. 2025): PPO's clipped surrogate on a sequence-level ratio.
 
     s_i = exp(mean over sequence i's (unmasked) tokens of log pi - log mu); per sequence

@@ -22,7 +22,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from pipelinerl.tasks.base import Problem, Score
+from pipelinerl.tasks.base import Problem, Score, require_int
 
 ALPHABET = "0123456789+-=,;A"
 # Geometric decay of the term-count weights: most problems are short, a few are long.
@@ -45,20 +45,10 @@ class ChainArithmeticTask:
         max_operand: int = 9,
         max_value: int = 99,
     ) -> None:
-        for param, value in (
-            ("min_terms", min_terms),
-            ("max_terms", max_terms),
-            ("max_operand", max_operand),
-            ("max_value", max_value),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{param} must be an integer, got {value!r}")
-        if min_terms < 2:
-            raise ValueError(f"min_terms must be >= 2, got {min_terms}")
-        if max_terms < min_terms:
-            raise ValueError(f"max_terms must be >= min_terms ({min_terms}), got {max_terms}")
-        if max_operand < 1:
-            raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+        require_int("min_terms", min_terms, 2)
+        require_int("max_terms", max_terms, min_terms)
+        require_int("max_operand", max_operand)
+        require_int("max_value", max_value)
         if max_terms - 1 > max_operand:
             raise ValueError(
                 f"max_terms - 1 ({max_terms - 1}) must be <= max_operand ({max_operand}): "

@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+def require_int(name: str, value: object, low: int = 1) -> None:
+    """A task parameter that must be an integer >= `low` (a bool is not one): a ValueError
+    naming it otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Problem:
     problem_id: str

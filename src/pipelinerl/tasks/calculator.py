@@ -19,7 +19,7 @@ import re
 
 from pipelinerl.tasks.environment import Reply, Turn
 from pipelinerl.tasks.arithmetic import ALPHABET, ChainArithmeticTask
-from pipelinerl.tasks.base import Problem
+from pipelinerl.tasks.base import Problem, require_int
 
 CALL = re.compile(r"<calc>([^<]*)</calc>$")
 EXPRESSION = re.compile(r"\d{1,9}(?:[+-]\d{1,9}){0,31}")
@@ -42,8 +42,7 @@ class CalculatorTask(ChainArithmeticTask):
         super().__init__(**arithmetic)  # type: ignore[arg-type]
         if not 0.0 <= float(tool_demo_prob) <= 1.0:
             raise ValueError(f"tool_demo_prob must be in [0, 1], got {tool_demo_prob!r}")
-        if not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        require_int("max_turns", max_turns)
         self.tool_demo_prob = float(tool_demo_prob)
         self.max_turns = max_turns
 

@@ -21,7 +21,7 @@ from collections import Counter
 from fractions import Fraction
 from typing import Any
 
-from pipelinerl.tasks.base import Problem, Score
+from pipelinerl.tasks.base import Problem, Score, require_int
 
 OPS = "+-*/"
 ALPHABET = "0123456789+-*/(),>:"
@@ -82,8 +82,7 @@ class CountdownTask:
                  style: str = "compact") -> None:
         for param, value in (("min_numbers", min_numbers), ("max_numbers", max_numbers),
                              ("max_number", max_number), ("max_target", max_target)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{param} must be a positive integer, got {value!r}")
+            require_int(param, value)
         if not 2 <= min_numbers <= max_numbers:
             raise ValueError(f"need 2 <= min_numbers <= max_numbers, got {min_numbers} and "
                              f"{max_numbers}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import re
 
-from pipelinerl.tasks.base import Problem, Score
+from pipelinerl.tasks.base import Problem, Score, require_int
 
 KINDS = ("add", "compare")
 SUFFIX = " Answer with just the number."
@@ -35,8 +35,7 @@ class NumbersTask:
         for param, value, low in (("max_addend", max_addend, 1),
                                   ("max_compared", max_compared, 2),
                                   ("max_answer_words", max_answer_words, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{param} must be an integer >= {low}, got {value!r}")
+            require_int(param, value, low)
         self.kinds = list(kinds)
         self.max_addend, self.max_compared = max_addend, max_compared
         self.max_answer_words = max_answer_words

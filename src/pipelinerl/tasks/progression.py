@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import re
 
-from pipelinerl.tasks.base import Problem, Score
+from pipelinerl.tasks.base import Problem, Score, require_int
 
 ALPHABET = "0123456789+*=:,;A"
 _FINAL = re.compile(r"(?:^|;)A=(\d{1,9})$")
@@ -33,8 +33,7 @@ class ProgressionTask:
     def __init__(self, max_steps: int = 60, max_operand: int = 9, max_value: int = 999) -> None:
         for param, value in (("max_steps", max_steps), ("max_operand", max_operand),
                              ("max_value", max_value)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{param} must be a positive integer, got {value!r}")
+            require_int(param, value)
         if max_operand > 9:
             raise ValueError(f"max_operand must be <= 9 (one digit), got {max_operand}")
         if max_steps * max_operand > max_value:

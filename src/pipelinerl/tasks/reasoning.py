@@ -25,7 +25,7 @@ import random
 import re
 from typing import Any
 
-from pipelinerl.tasks.base import Problem, Score
+from pipelinerl.tasks.base import Problem, Score, require_int
 
 INSTRUCTIONS = {
     "last_line": " Give the final answer alone on the last line.",
@@ -113,8 +113,7 @@ class ReasoningGymTask:
                  instruction: str | None = None, success_threshold: float = 1.0) -> None:
         if extract not in INSTRUCTIONS:
             raise ValueError(f"extract must be one of {sorted(INSTRUCTIONS)}, got {extract!r}")
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be a positive integer, got {size!r}")
+        require_int("size", size)
         if not 0.0 < success_threshold <= 1.0:
             raise ValueError(f"success_threshold must be in (0, 1], got {success_threshold!r}")
         self.dataset = build_dataset(dataset, dict(config or {}), datasets, seed, size)
