@@ -22,6 +22,14 @@ from pipelinerl.metrics.tables import markdown_table
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
+def results_file(out: Path | None) -> Path:
+    """benchmarks/RESULTS.md, or RESULTS.md in the directory `out` (a smoke run's)."""
+    if out is None:
+        return RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    return out / "RESULTS.md"
+
+
 def write_section(name: str, markdown: str, path: Path = RESULTS) -> None:
     """Replace the block of section `name` in `path` with `markdown`, or append it."""
     if not re.fullmatch(r"[A-Za-z0-9_-]+", name):

@@ -25,8 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _results
-from _results import environment, load_average, table, write_section
+from _results import environment, load_average, results_file, table, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -157,18 +156,14 @@ def main() -> None:
         f"- trees: base `{args.base}`, this `{head}` plus the working tree; "
         f"{reps} alternating repetition(s), median",
         "",
-        table(["", f"base tokens/s", "this tokens/s", "this / base", "this, each repetition"],
+        table(["", "base tokens/s", "this tokens/s", "this / base", "this, each repetition"],
               rows),
         "Engine: decode tokens/s, fp32, capacity 32, 32 prompts in groups of 8, 32 new tokens "
         "each. Trainer: input tokens/s of one 32-sample `rl_step` (float32, the trainer's own "
         "optimizer and attention).",
     ])
     print(text)
-    path = _results.RESULTS
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "RESULTS.md"
-    write_section("before_after", text, path)
+    write_section("before_after", text, results_file(args.out))
 
 
 if __name__ == "__main__":

@@ -691,7 +691,7 @@ def check_pipeline(ctx: Ctx) -> dict[str, Any]:
     log(f"  warm-start: {res['warm_start']}")
     seconds = 20 if ctx.quick else ctx.pipeline_seconds
     dev = ctx.device.type
-    common = [f"model.path={model_dir}", f"output_dir={work / 'runs'}", f"engine.device={dev}",
+    common = [f"model.path={model_dir}", f"engine.device={dev}",
               f"trainer.device={dev}", "stream.backend=local", "sync.backend=shm", "metrics.progress=false",
               "metrics.plot=false", f"trainer.max_time_s={seconds}", "trainer.max_steps=100000",
               "actor.threads=2", "trainer.threads=2", "engine.capacity=128"]
@@ -702,29 +702,39 @@ def check_pipeline(ctx: Ctx) -> dict[str, Any]:
         "pipeline_bf16": ["mode=pipeline", "engine.dtype=bfloat16"],
         "conventional_g1_bf16": ["mode=conventional", "conventional_g=1", "engine.dtype=bfloat16"],
     }
+    train_runs(ctx, "pipeline", res, config, runs, common, work / "runs", lambda: seconds + 240,
+               summarise_run)
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def train_runs(ctx: Ctx, key: str, res: dict[str, Any], config: Path, runs: dict[str, list[str]],
+               common: list[str], runs_dir: Path, timeout_s: Callable[[], float],
+               summary: Callable[[Path], dict[str, Any]]) -> None:
+    """`pipelinerl train config` once per run (name -> its overrides) on this script's source
+    tree; each run's `summary` into res and ctx.results[key], saved as it ends."""
     import pipelinerl  # the roles import the same source tree as this script
 
     src = str(Path(pipelinerl.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     for name, extra in runs.items():
-        cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(config), f"name={name}", *common, *extra]
+        cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(config), f"name={name}",
+               f"output_dir={runs_dir}", *common, *extra]
         t0 = time.perf_counter()
-        proc = run_cli(cmd, env, seconds + 240)
+        proc = run_cli(cmd, env, timeout_s())
         entry: dict[str, Any] = {"rc": proc.returncode, "wall_s": time.perf_counter() - t0,
                                  "overrides": extra}
-        run_dir = work / "runs" / name
+        run_dir = runs_dir / name
         if (run_dir / "metrics.jsonl").exists():
-            entry |= summarise_run(run_dir)
+            entry |= summary(run_dir)
         if proc.returncode:
             entry["stderr_tail"] = proc.stderr[-3000:]
             for f in sorted((run_dir / "logs").glob("*")) if (run_dir / "logs").exists() else []:
                 entry[f"log_{f.name}"] = f.read_text()[-2000:]
         res[name] = entry
         log(f"  {name}: {entry}")
-        ctx.results["pipeline"] = res
+        ctx.results[key] = res
         ctx.save()
-    shutil.rmtree(work, ignore_errors=True)
-    return res
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -855,33 +865,19 @@ def check_smollm2(ctx: Ctx) -> dict[str, Any]:
     dev = ctx.device.type
     work = Path(tempfile.mkdtemp(prefix="gpu-smollm2-"))
     example = Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"
-    common = [f"model.path={ctx.gguf}", f"output_dir={work}", f"engine.device={dev}", f"trainer.device={dev}",
+    common = [f"model.path={ctx.gguf}", f"engine.device={dev}", f"trainer.device={dev}",
               *(["engine.dtype=bfloat16", "trainer.precision=bfloat16"] if dev == "cuda" else []),
-              "engine.capacity=128",
-              "actor.threads=2", "trainer.threads=2", f"trainer.max_time_s={seconds}", "eval.every_s=30",
-              "metrics.progress=false", "metrics.plot=false",
-              *(["eval.num_problems=20", "eval.every_s=10"] if ctx.quick else [])]
-    import pipelinerl  # the roles import the same source tree as this script
+              "engine.capacity=128", "actor.threads=2", "trainer.threads=2",
+              f"trainer.max_time_s={seconds}", "metrics.progress=false", "metrics.plot=false",
+              *(["eval.num_problems=20", "eval.every_s=10"] if ctx.quick else ["eval.every_s=30"])]
 
-    src = str(Path(pipelinerl.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    for name, extra in SMOLLM2_RUNS.items():
-        cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(example), f"name={name}", *common, *extra]
-        t0 = time.perf_counter()
-        proc = run_cli(cmd, env, min(seconds + 240, max(ctx.seconds_left(), 1)))
-        entry: dict[str, Any] = {"rc": proc.returncode, "wall_s": time.perf_counter() - t0, "overrides": extra}
-        run_dir = work / name
-        if (run_dir / "metrics.jsonl").exists():
-            curve = held_out_curve(run_dir)
-            entry |= summarise_run(run_dir) | {
-                "held_out": ", ".join(f"{v:.3f}@{t:.0f}s" for t, v in curve),
-                "seconds_to_0.9": first_time_at(curve, 0.9)}
-        if proc.returncode:
-            entry["stderr_tail"] = proc.stderr[-3000:]
-        res[name] = entry
-        log(f"  {name}: {entry}")
-        ctx.results["smollm2"] = res
-        ctx.save()
+    def summary(run_dir: Path) -> dict[str, Any]:
+        curve = held_out_curve(run_dir)
+        return summarise_run(run_dir) | {"held_out": ", ".join(f"{v:.3f}@{t:.0f}s" for t, v in curve),
+                                         "seconds_to_0.9": first_time_at(curve, 0.9)}
+
+    train_runs(ctx, "smollm2", res, example, SMOLLM2_RUNS, common, work,
+               lambda: min(seconds + 240, max(ctx.seconds_left(), 1)), summary)
     shutil.rmtree(work, ignore_errors=True)
     return res
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import _results
-from _results import environment, load_average, table, write_section
+from _results import environment, load_average, results_file, table, write_section
 
 BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / "learning_speed_v3" / "starting_model"
@@ -141,11 +141,7 @@ def main() -> None:
     load = load_average()
     text = report(measure(sizes, steps, reps), load, steps, reps)
     print(text)
-    path = _results.RESULTS
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "RESULTS.md"
-    write_section("step_cost", text, path)
+    write_section("step_cost", text, results_file(args.out))
 
 
 if __name__ == "__main__":

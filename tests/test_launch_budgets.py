@@ -20,25 +20,10 @@ from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.step import rl_step
 from pipelinerl.trainer import make_optimizer
-from pipelinerl.types import GenerationRequest, Group, Sample, SamplingParams
-from tiny_models import smollm2_layout
+from pipelinerl.types import GenerationRequest, SamplingParams
+from tiny_models import random_groups, smollm2_layout
 
 torch.set_num_threads(1)
-
-
-def _groups(n_groups: int, rng: random.Random) -> list[Group]:
-    groups = []
-    for g in range(n_groups):
-        samples = []
-        for i in range(8):
-            n = rng.randint(5, 40)
-            samples.append(Sample(prompt_ids=[rng.randrange(512) for _ in range(20)],
-                                  token_ids=[rng.randrange(512) for _ in range(n)],
-                                  logprobs=[-1.0] * n, versions=[0] * n, reward=float(i % 2),
-                                  success=bool(i % 2), finish_reason="stop", group_id=f"g{g}",
-                                  actor_id=0))
-        groups.append(Group(f"g{g}", "p", samples, actor_id=0))
-    return groups
 
 
 def _train_step_counts(layers: int, sequences: int) -> tuple[Kernels, HostSyncs]:
@@ -49,9 +34,9 @@ def _train_step_counts(layers: int, sequences: int) -> tuple[Kernels, HostSyncs]
     set_packed_attention(model, cfg.trainer)
     optimizer = make_optimizer(model, cfg.trainer)  # the trainer's
     rng = random.Random(0)
-    rl_step(model, optimizer, _groups(sequences // 8, rng), cfg, 0)
+    rl_step(model, optimizer, random_groups(sequences // 8, rng), cfg, 0)
     with Kernels() as kernels, HostSyncs() as syncs:
-        rl_step(model, optimizer, _groups(sequences // 8, rng), cfg, 0)
+        rl_step(model, optimizer, random_groups(sequences // 8, rng), cfg, 0)
     return kernels, syncs
 
 

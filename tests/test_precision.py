@@ -12,21 +12,9 @@ from pipelinerl.config import ConfigError, load_config
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.step import rl_step
 from pipelinerl.trainer import make_optimizer
-from pipelinerl.types import Group, Sample
-from tiny_models import smollm2_layout
+from tiny_models import random_groups, smollm2_layout
 
 torch.set_num_threads(1)
-
-
-def _groups(rng: random.Random) -> list[Group]:
-    samples = []
-    for i in range(8):
-        n = rng.randint(5, 30)
-        samples.append(Sample(prompt_ids=[rng.randrange(512) for _ in range(12)],
-                              token_ids=[rng.randrange(512) for _ in range(n)],
-                              logprobs=[-6.0] * n, versions=[0] * n, reward=float(i % 2),
-                              success=bool(i % 2), finish_reason="stop", group_id="g", actor_id=0))
-    return [Group("g", "p", samples, actor_id=0)]
 
 
 @pytest.mark.parametrize("precision,computed", [("float32", torch.float32),
@@ -41,7 +29,7 @@ def test_the_step_computes_in_the_chosen_precision_over_float32_weights(
     seen: set[torch.dtype] = set()
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
     optimizer = make_optimizer(model, cfg.trainer)
-    metrics = rl_step(model, optimizer, _groups(random.Random(0)), cfg, 0)
+    metrics = rl_step(model, optimizer, random_groups(1, random.Random(0)), cfg, 0)
     assert seen == {computed}
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     # Weights, their gradients and AdamW's moments stay float32; the step moved the weights.

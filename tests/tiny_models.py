@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from pipelinerl.types import Group, Sample
 
 VOCAB = 50
 ARCHS = ("qwen2", "llama", "qwen3", "mistral")
@@ -81,3 +84,20 @@ def smollm2_layout(num_hidden_layers: int = 2, seed: int = 0) -> torch.nn.Module
         hidden_size=96, num_hidden_layers=num_hidden_layers, num_attention_heads=3,
         num_key_value_heads=1, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
         max_position_embeddings=512))
+
+
+def random_groups(n_groups: int, rng: random.Random) -> list[Group]:
+    """Groups of 8 samples of random tokens (vocabulary 512): prompts of 20, completions of
+    5-40, half rewarded: a training step's input for tiny_models' layouts."""
+    groups = []
+    for g in range(n_groups):
+        samples = []
+        for i in range(8):
+            n = rng.randint(5, 40)
+            samples.append(Sample(prompt_ids=[rng.randrange(512) for _ in range(20)],
+                                  token_ids=[rng.randrange(512) for _ in range(n)],
+                                  logprobs=[-1.0] * n, versions=[0] * n, reward=float(i % 2),
+                                  success=bool(i % 2), finish_reason="stop", group_id=f"g{g}",
+                                  actor_id=0))
+        groups.append(Group(f"g{g}", "p", samples, actor_id=0))
+    return groups
