@@ -46,14 +46,17 @@ finally:
     time.sleep(float(os.environ["FAKE_CLEANUP_S"]))
 """
 
-# The launcher as `pipelinerl train` runs it, except that every role it spawns with
-# `sys.executable -m pipelinerl.cli ...` runs the fake role above.
+# The launcher as `pipelinerl train` runs it (through the script's entry, which skips the
+# interpreter's teardown after a stop: 2-3 s with torch and transformers loaded, twice that on
+# a loaded machine), except that every role it spawns with `sys.executable -m pipelinerl.cli
+# ...` runs the fake role above.
 _LAUNCHER = """
 import sys
-from pipelinerl.cli import main
+from pipelinerl.cli import run
 
 sys.executable = sys.argv[1]
-sys.exit(main(sys.argv[2:]))
+sys.argv = ["pipelinerl", *sys.argv[2:]]
+run()
 """
 
 # Moments to press Ctrl-C at: a random time (up to the jitter) after what marks the start of

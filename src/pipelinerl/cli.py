@@ -202,6 +202,11 @@ def run() -> None:
         # an embedded PyRun call (pybind11's exec while torch imports), even one handled since:
         # seen in 3 of 30 Ctrl-Cs 1-2 s after start. The code is set directly instead.
         _exit_now(code)
+    if sys.argv[1:2] == ["train"]:
+        # The launcher has stopped its roles and its redis and closed its logs: the teardown
+        # would only add 2-3 s (a last collection over torch's and transformers' objects; 5 s
+        # and more on a loaded machine) before the prompt comes back.
+        _exit_now(code)
     sys.exit(code)
 
 
