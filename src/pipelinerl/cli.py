@@ -5,6 +5,7 @@ from __future__ import annotations
 # Only the standard library at module level: everything else is imported inside `main`'s
 # `try`, so a Ctrl-C while it loads exits like any other (130), not with a traceback or -2.
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -202,11 +203,10 @@ def run() -> None:
         # an embedded PyRun call (pybind11's exec while torch imports), even one handled since:
         # seen in 3 of 30 Ctrl-Cs 1-2 s after start. The code is set directly instead.
         _exit_now(code)
-    if sys.argv[1:2] == ["train"]:
-        # The launcher has stopped its roles and its redis and closed its logs: the teardown
-        # would only add 2-3 s (a last collection over torch's and transformers' objects; 5 s
-        # and more on a loaded machine) before the prompt comes back.
-        _exit_now(code)
+    # The process is ending: the interpreter's last collections over torch's and transformers'
+    # objects would take 2-3 s (5 s and more on a loaded machine) after a launcher or a role
+    # is done, and the OS frees that memory anyway. atexit handlers and threads are kept.
+    gc.freeze()
     sys.exit(code)
 
 
