@@ -76,7 +76,7 @@ def test_the_calculator_example_trains_through_the_cli(tmp_path: Path) -> None:
          f"output_dir={tmp_path}", f"warmstart.cache_dir={tmp_path / 'cache'}",
          "warmstart.steps=150", "trainer.max_steps=4", "trainer.max_time_s=0",
          "trainer.batch_size=16", "engine.capacity=16", "actor.group_size=4",
-         "eval.num_problems=20", "metrics.progress=false",
+         "eval.num_problems=8", "metrics.progress=false",
          "metrics.plot=false"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

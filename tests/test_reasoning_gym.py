@@ -100,7 +100,7 @@ def test_examples_reasoning_gym_trains_and_evaluates_smollm2_through_the_cli(tmp
         [sys.executable, "-m", "pipelinerl.cli", "train", str(example), "name=rg",
          f"output_dir={tmp_path}", "trainer.max_steps=3", "trainer.max_time_s=0",
          "trainer.batch_size=8", "actor.group_size=4", "engine.capacity=8",
-         "engine.max_new_tokens=16", "actor.drop_zero_variance=false", "eval.num_problems=16",
+         "engine.max_new_tokens=16", "actor.drop_zero_variance=false", "eval.num_problems=8",
          "metrics.progress=false", "metrics.plot=false"],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -466,7 +466,7 @@ def test_examples_train_and_evaluate_smollm2_through_the_cli(
     prepare("smollm2")
     proc = _cli(tmp_path, config, "name=vf", "trainer.max_steps=3", "trainer.max_time_s=0",
                 "trainer.batch_size=8", "actor.group_size=4", "engine.capacity=8",
-                "actor.drop_zero_variance=false", "eval.num_problems=8", "eval.samples=2",
+                "actor.drop_zero_variance=false", "eval.num_problems=4", "eval.samples=2",
                 *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "vf"
