@@ -292,7 +292,8 @@ def decode_step_ms(ctx: Ctx, engine: Any, n: int, prompt_len: int, steps: int) -
     vocab = engine.model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
-    for r in make_requests(prompts, [engine.max_seq_len - prompt_len] * n, 1.0, tag="d"):
+    requests = make_requests(prompts, [engine.max_seq_len - prompt_len] * n, 1.0, tag="d")
+    for r in requests:
         engine.add_request(r)
     for _ in range(3):
         engine.step()
@@ -307,7 +308,8 @@ def decode_step_ms(ctx: Ctx, engine: Any, n: int, prompt_len: int, steps: int) -
     result = {"n": n, "attend_len": length, "step_ms": 1e3 * step_s / steps, "forward_ms": 1e3 * fwd_s / steps}
     if ctx.device.type == "cuda":
         result |= graph_forward_ms(ctx, model, cache, ids, pos, length, steps)
-    engine_drain(engine)
+    for r in requests:  # none ended: each is dropped and its slot freed for the next size
+        engine.abort(r.request_id)
     return result
 
 
@@ -334,13 +336,6 @@ def graph_forward_ms(ctx: Ctx, model: Any, cache: Any, ids: torch.Tensor, pos: t
         return {"graph_ms": 1e3 * replay_s / steps, "graph_vs_eager_max_diff": agree}
     except Exception as exc:  # noqa: BLE001 - report why capture failed, keep the rest
         return {"graph_error": repr(exc)[:300]}
-
-
-def engine_drain(engine: Any) -> None:
-    """Drop every running and queued sequence (benchmark helper)."""
-    engine._queue.clear()
-    if engine.num_running():
-        engine._free(engine._deactivate(list(range(engine.num_running()))))
 
 
 def check_engine(ctx: Ctx) -> dict[str, Any]:
