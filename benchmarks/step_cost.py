@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import _results
-from _results import environment, load_average, results_file, table, write_section
+from _results import Timer, environment, load_average, results_file, table, write_section
 
 BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / "learning_speed_v3" / "starting_model"
@@ -73,7 +72,7 @@ def step_cost_ms(engine: object, prompts: list[list[int]], n: int, steps: int) -
         engine.step()
     if engine.num_running() != n:
         raise RuntimeError(f"{engine.num_running()} sequences decoding, expected {n}")
-    timer = _results.Timer()
+    timer = Timer()
     for _ in range(steps):
         engine.step()
     cpu_s = timer.elapsed()[1]
