@@ -355,6 +355,9 @@ def check_engine(ctx: Ctx) -> dict[str, Any]:
         max_len = max(len(p) + n for p, n in zip(prompts, max_new))
         useful = sum(max_new)
         engine = build_engine(hf, cap, max_len, dev, torch.bfloat16, seed=cap)
+        runner = engine._runner  # what its start-up capture cost
+        capture = {"graphs": len(getattr(runner, "_graphs", ())), "capture_s": getattr(runner, "capture_s", 0.0),
+                   "graph_mib": getattr(runner, "graph_bytes", 0) / 2**20}
         run_to_end(engine, make_requests(prompts[:cap], [8] * cap, 1.0, tag="w"))  # warm-up
         hf_generate(hf, prompts[:cap], 8, False, dev)
         steps0 = engine.stats.decode_steps
@@ -370,7 +373,7 @@ def check_engine(ctx: Ctx) -> dict[str, Any]:
         entry = {
             "requests": n_req, "useful_tokens": useful, "mean_new": useful / n_req,
             "engine_s": engine_s, "engine_tok_s": useful / engine_s, "engine_decode_steps": decode_steps,
-            "engine_ms_per_step": 1e3 * engine_s / decode_steps,
+            "engine_ms_per_step": 1e3 * engine_s / decode_steps, **capture,
         }
         if hf_steps:
             entry |= {"hf_s": hf_s, "hf_tok_s": useful / hf_s, "hf_steps": hf_steps,

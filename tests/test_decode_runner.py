@@ -4,8 +4,11 @@ graph would capture), and the in-place weight updates captured graphs rely on.""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from pipelinerl.engine import runner as runner_module
 from pipelinerl.engine.runner import EagerRunner, GraphRunner, bucket_of, buckets
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
@@ -89,3 +92,105 @@ def test_the_cpu_engine_decodes_eagerly_and_needs_no_scratch() -> None:
     engine = TorchEngine(smollm2_layout(2).config, EngineOptions(capacity=CAPACITY, max_seq_len=MAX_LEN))
     assert isinstance(engine._runner, EagerRunner)
     assert engine._runner.cache.k[0].shape[2] == MAX_LEN
+
+
+class RecordingCuda:
+    """A stand-in for `torch.cuda` in the runner (the CPU has no CUDA): records the device each
+    call names and refuses a call that names none (on a GPU it would fall to whatever device is
+    current: the capture on cuda:0 while the engine's kernels run on cuda:1). Captures run the
+    forward on the CPU; `fail_capture` makes the forward inside the first capture raise."""
+
+    def __init__(self, fail_capture: bool = False) -> None:
+        fake = self
+        self.devices: list[torch.device] = []
+        self.routing_to_pool = False  # the allocator's state between capture_begin and _end
+        self.captures = 0
+        self.fail_capture = fail_capture
+
+        class Stream:
+            def __init__(self, device: torch.device) -> None:
+                fake.devices.append(torch.device(device))
+
+            def wait_stream(self, other: object) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                pass
+
+        class CUDAGraph:
+            def capture_begin(self, pool: object) -> None:
+                assert pool is not None, "every graph shares the one pool"
+                assert fake.streams[-1] is not fake.own, "capture on the thread's own stream"
+                fake.routing_to_pool = True
+
+            def capture_end(self) -> None:
+                fake.routing_to_pool = False
+                fake.captures += 1
+
+            def replay(self) -> None:
+                pass
+
+        self.Stream, self.CUDAGraph = Stream, CUDAGraph
+        self.own = object.__new__(Stream)  # the thread's own stream
+        self.streams = [self.own]  # the thread's current stream, innermost last
+
+    def device(self, device: torch.device):
+        self.devices.append(torch.device(device))
+        return contextlib.nullcontext()
+
+    def current_stream(self, device: torch.device) -> object:
+        self.devices.append(torch.device(device))
+        return self.streams[-1]
+
+    @contextlib.contextmanager
+    def stream(self, stream: object):
+        self.streams.append(stream)
+        try:
+            yield
+        finally:
+            self.streams.pop()
+
+    def memory_reserved(self, device: torch.device) -> int:
+        self.devices.append(torch.device(device))
+        return 0
+
+    def graph_pool_handle(self) -> tuple[int, int]:
+        return (0, 1)
+
+
+def _graph_runner(fake: RecordingCuda, monkeypatch) -> GraphRunner:
+    model = _decoder()
+    if fake.fail_capture:
+        real = model.decode
+        monkeypatch.setattr(model, "decode", lambda *a: (
+            (_ for _ in ()).throw(RuntimeError("operation not permitted when stream is capturing"))
+            if fake.routing_to_pool else real(*a)))
+    monkeypatch.setattr(runner_module, "cuda", fake)
+    return GraphRunner(model, _filled_cache(model, True), CAPACITY, MAX_LEN)
+
+
+def test_graph_capture_names_the_cache_device_in_every_cuda_call_recording_stand_in(monkeypatch) -> None:
+    """Every bucket captured when the runner is built (none mid-run), each CUDA call naming the
+    cache's device, the thread back on its own stream and the allocator out of the pool."""
+    fake = RecordingCuda()
+    runner = _graph_runner(fake, monkeypatch)
+    assert fake.devices and set(fake.devices) == {runner.cache.k[0].device}
+    assert len(runner._graphs) == fake.captures == len(runner.batch_sizes) * len(runner.spans)
+    assert fake.streams == [fake.own] and not fake.routing_to_pool
+    # One static logits buffer for every bucket: a step's logits are views of it.
+    out = runner.decode(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), 7)
+    assert out.shape == (3, runner.model.config.vocab_size)
+    assert out.data_ptr() == runner._logits.data_ptr()
+
+
+def test_a_failed_capture_leaves_the_thread_on_its_stream_and_the_engine_eager_recording_stand_in(
+        monkeypatch) -> None:
+    fake = RecordingCuda(fail_capture=True)
+    runner = _graph_runner(fake, monkeypatch)
+    assert fake.streams == [fake.own], "left on the capture stream"
+    assert not fake.routing_to_pool, "the allocator still routes to the graph pool"
+    assert not runner.capture and not runner._graphs
+    eager = EagerRunner(runner.model, _filled_cache(runner.model, False))
+    ids, positions = torch.tensor([5, 9]), torch.tensor([10, 30])
+    torch.testing.assert_close(runner.decode(ids, positions, 31), eager.decode(ids, positions, 31),
+                               rtol=1e-5, atol=1e-5)

@@ -327,6 +327,69 @@ def test_shm_seqlock_puts_barriers_between_header_and_data_fake_fence(monkeypatc
         sender.close()
 
 
+class _DeviceWeights:
+    """Host tensors handed over as if they lived on `device` (StreamedWeights' contract)."""
+
+    replayable = True
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.layout, self.device = WeightLayout.from_weights(weights), device
+        self._sources = self.layout.sources(weights)
+
+    def tensors(self):
+        return iter(self._sources)
+
+
+def test_shm_publish_from_cuda_1_names_cuda_1_in_every_cuda_call_recording_stand_in(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer on cuda:1 (the engine on cuda:0): the copy-done event is recorded on cuda:1's
+    stream, where the copies were queued, and the buffer is page-locked from cuda:1's context
+    for every context (portable), whatever device is current. No CUDA here: a recording
+    stand-in for torch.cuda's calls; host tensors stand in for cuda:1's."""
+    gpu, calls, current = torch.device("cuda", 1), [], ["cuda:0"]
+
+    class Event:
+        def record(self, stream=None) -> None:
+            calls.append(("record", stream))
+
+        def synchronize(self) -> None:
+            calls.append(("synchronize",))
+
+    class DeviceGuard:
+        def __init__(self, device) -> None:
+            self.device = torch.device(device)
+
+        def __enter__(self) -> None:
+            current.append(str(self.device))
+
+        def __exit__(self, *exc) -> None:
+            current.pop()
+
+    class Cudart:
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            calls.append(("register", current[-1], flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            calls.append(("unregister", current[-1]))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
+    monkeypatch.setattr(torch.cuda, "cudart", Cudart)
+    sender = ShmWeightSender(_run_id())
+    try:
+        sender.publish(_DeviceWeights(_weights(1), gpu), 1)
+        sender.settle()
+    finally:
+        sender.close()
+    register, record, synchronize, unregister = calls
+    assert register[:2] == ("register", "cuda:1") and register[2] & 1  # cudaHostRegisterPortable
+    assert record == ("record", f"stream of {gpu}")
+    assert synchronize == ("synchronize",) and unregister == ("unregister", "cuda:1")
+
+
 def test_shm_publish_from_a_gpu_returns_before_the_copies_land_fake_device_event(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """From a GPU the sender enqueues its copies and returns; readers see the version only once
@@ -335,7 +398,7 @@ def test_shm_publish_from_a_gpu_returns_before_the_copies_land_fake_device_event
     run_id = _run_id()
     sender, receiver = ShmWeightSender(run_id), ShmWeightReceiver(run_id, timeout_s=5)
     gate = threading.Event()
-    monkeypatch.setattr(shm_mod, "_landing", lambda on_gpu: gate.wait)
+    monkeypatch.setattr(shm_mod, "_landing", lambda gpu: gate.wait)
     targets = _targets(torch.float32)
     try:
         sender.publish(_weights(1), 1)  # returns with the copies "in flight"
@@ -361,7 +424,7 @@ def test_shm_publish_from_a_gpu_returns_before_the_copies_land_fake_device_event
         def device_error() -> None:
             raise RuntimeError("an illegal memory access")
 
-        monkeypatch.setattr(shm_mod, "_landing", lambda on_gpu: device_error)
+        monkeypatch.setattr(shm_mod, "_landing", lambda gpu: device_error)
         sender.publish(_weights(4), 4)
         with pytest.raises(RuntimeError, match="publishing weights to .* failed") as failed:
             sender.settle()

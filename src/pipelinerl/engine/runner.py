@@ -6,15 +6,22 @@ and slot tensors and gets logits back, and never touches the cache itself.
 A small model's decode step on a GPU is bound by kernel launches, not by the chip: the
 Qwen2-0.5B shape cost 24.5-28.5 ms eager whatever the batch, 2.9-3.4 ms replayed as a CUDA
 graph (docs/scaling.md). `GraphRunner` captures the decoder's `decode` once per (batch,
-attention span) bucket over static inputs and replays it each step:
+attention span) bucket over static inputs, all at start-up, and replays it each step:
 - batches are padded to the next bucket size (powers of two up to the capacity); a padding
   row feeds token 0 at the cache's scratch position (one column past `max_seq_len`, never
   attended to), so it writes into no sequence's cache, parked ones included;
 - the attention span is padded to the next power of two (at least 64, at most max_seq_len):
   the mask hides the positions past each sequence, as in eager;
+- every graph writes its logits into one static buffer (capacity x vocabulary) and draws its
+  intermediates from one shared memory pool, so the graphs together hold about one step's
+  activations plus that buffer, not one set of logits each (capacity 256 x max_seq_len 4096
+  is 63 graphs: ~1.1 GB of bf16 logits apart, 78 MB shared);
 - weight updates copy in place into the parameters the graphs read (`load_hf_weights`, the
   weight receivers), so every graph computes with the newest weights without a new capture.
-Prefill and extension stay eager: they vary in shape every call.
+Prefill and extension stay eager: they vary in shape every call. Every CUDA call names the
+cache's device (streams, capture, the device guard), so an engine on cuda:1 captures on cuda:1
+whatever device is current; a capture that fails leaves the thread on its own stream, the
+allocator out of the graph pool, and the engine on the padded eager path.
 
 `capture=False` runs the same padding and buckets without CUDA (the CPU tests check the
 logic against eager); the CPU engine itself runs `EagerRunner`, padding being pure waste there.
@@ -23,8 +30,10 @@ logic against eager); the CPU engine itself runs `EagerRunner`, padding being pu
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
+from torch import cuda
 
 from pipelinerl.models.decoder import CausalDecoder, KVCache
 
@@ -80,7 +89,7 @@ def bucket_of(value: int, sizes: list[int]) -> int:
 
 
 class GraphRunner(EagerRunner):
-    """Decode steps replayed from graphs captured per (batch, span) bucket on first use; the
+    """Decode steps replayed from graphs captured per (batch, span) bucket when built; the
     other forwards eager. `cache` must have one position past `max_seq_len`
     (`KVCache(..., scratch=True)`)."""
 
@@ -92,12 +101,17 @@ class GraphRunner(EagerRunner):
         self.max_seq_len, self.capture = max_seq_len, capture
         self.batch_sizes = buckets(capacity)
         self.spans = buckets(max_seq_len, min(MIN_SPAN, max_seq_len))
-        device = cache.k[0].device
-        # Static inputs every graph reads (views of their first rows).
-        self._ids = torch.zeros(capacity, dtype=torch.long, device=device)
-        self._positions = torch.full((capacity,), max_seq_len, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.device = cache.k[0].device
+        # Static inputs every graph reads (views of their first rows), and the logits buffer
+        # every graph writes into.
+        self._ids = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        self._positions = torch.full((capacity,), max_seq_len, dtype=torch.long, device=self.device)
+        self._logits = torch.empty(capacity, model.config.vocab_size, dtype=cache.k[0].dtype,
+                                   device=self.device)
+        self._graphs: dict[tuple[int, int], cuda.CUDAGraph] = {}
+        self.capture_s, self.graph_bytes = 0.0, 0  # what capturing cost: seconds, pool memory
+        if capture:
+            self._capture_all()
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, attend_len: int) -> torch.Tensor:
         n = input_ids.shape[0]
@@ -108,30 +122,55 @@ class GraphRunner(EagerRunner):
         self._positions[n:batch].fill_(self.max_seq_len)  # the scratch position
         if not self.capture:
             return self._forward(batch, span)[:n]
-        graph, out = self._graphs.get((batch, span), (None, None))
-        if graph is None:
-            try:
-                graph, out = self._capture(batch, span)
-            except RuntimeError as exc:  # a driver or op that cannot be captured: slower, right
-                log.warning("decode step not captured as a CUDA graph (%s): eager from now on",
-                            exc)
-                self.capture = False
-                return self._forward(batch, span)[:n]
-            self._graphs[batch, span] = graph, out
-        graph.replay()
-        return out[:n]
+        self._graphs[batch, span].replay()  # launches on the capture device (graph's own guard)
+        return self._logits[:n]
 
     def _forward(self, batch: int, span: int) -> torch.Tensor:
-        return self.model.decode(self.cache, self._ids[:batch], self._positions[:batch], span)
+        logits = self.model.decode(self.cache, self._ids[:batch], self._positions[:batch], span)
+        return self._logits[:batch].copy_(logits)
 
-    def _capture(self, batch: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm-up on a side stream first, as CUDA graph capture requires (lazy inits, autotune).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+    def _capture_all(self) -> None:
+        """Every (batch, span) bucket, smallest first, into one memory pool: the engine's steps
+        then never stop for a capture (each synchronizes and empties the caches). A capture that
+        fails logs why and leaves the engine eager (slower, right)."""
+        t0, device = time.perf_counter(), self.device
+        with cuda.device(device):
+            before = cuda.memory_reserved(device)
+            pool = cuda.graph_pool_handle()
+            side = cuda.Stream(device=device)
+            try:
+                for batch in self.batch_sizes:
+                    for span in self.spans:
+                        self._graphs[batch, span] = self._capture(batch, span, side, pool)
+            except RuntimeError as exc:  # a driver or op that cannot be captured
+                log.warning("decode step not captured as CUDA graphs (%s): eager from now on", exc)
+                self._graphs.clear()
+                self.capture = False
+                return
+            self.graph_bytes = cuda.memory_reserved(device) - before
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode graphs on %s in %.1f s; they hold %.0f MiB (static logits "
+                 "%.0f MiB)", len(self._graphs), device, self.capture_s, self.graph_bytes / 2**20,
+                 self._logits.nbytes / 2**20)
+
+    def _capture(self, batch: int, span: int, side: cuda.Stream, pool: tuple[int, int]) -> cuda.CUDAGraph:
+        # Warm-up on the side stream first, as CUDA graph capture requires (lazy inits,
+        # autotune); then capture there, ending the capture whatever the forward raised, so the
+        # allocator stops routing to the pool and the thread returns to its own stream.
+        side.wait_stream(cuda.current_stream(self.device))
+        graph = cuda.CUDAGraph()
+        with cuda.stream(side):
             self._forward(batch, span)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(batch, span)
-        return graph, out
+            side.synchronize()
+            graph.capture_begin(pool=pool)
+            try:
+                self._forward(batch, span)
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:  # the capture is invalid: what the forward raised says why
+                    pass
+                raise
+            graph.capture_end()
+        cuda.current_stream(self.device).wait_stream(side)
+        return graph

@@ -85,8 +85,10 @@ def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value:
                          f"model's sliding window ({window} tokens), which it does not apply; "
                          "use trainer.packed_attention=masked_row")
     cu_seqlens = kwargs.get("cu_seqlens")
-    if (query.is_cuda and query.dtype in _FLASH_DTYPES and varlen_attn is not None
+    dtype = flash_dtype(query, key, value)
+    if (query.device.type in VARLEN_DEVICES and dtype is not None and varlen_attn is not None
             and cu_seqlens is not None and dropout == 0):
+        query, key, value = (t.to(dtype) for t in (query, key, value))
         return _varlen(query, key, value, cu_seqlens, longest, scaling), None
     gqa = key.shape[1] != query.shape[1]
     rows = []
@@ -103,20 +105,39 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, longe
             scaling: float | None) -> Tensor:
     """One causal flash-attention call over every sequence of every row: (B, L, H, D)."""
     batch, heads, length, dim = query.shape
-    if key.shape[1] != heads:  # grouped-query: each key/value head serves heads / H_kv
+    gqa = key.shape[1] != heads  # grouped-query: each key/value head serves heads / H_kv
+    if gqa and not _TAKES_GQA:  # torch before 2.12: one copy of k/v per query head
         key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
-    flat = [t.transpose(1, 2).reshape(batch * length, heads, dim) for t in (query, key, value)]
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
+    extra = {"enable_gqa": True} if gqa and _TAKES_GQA else {}
     out = varlen_attn(*flat, cu_seqlens, cu_seqlens, longest, longest, scale=scaling,
-                      **_CAUSAL)
+                      **_CAUSAL, **extra)
     return out.reshape(batch, length, heads, dim)
+
+
+def flash_dtype(query: Tensor, key: Tensor, value: Tensor) -> torch.dtype | None:
+    """The one half-precision dtype flash attention gets q, k and v in, or None (SDPA per
+    sequence). Under autocast the weights stay float32 and the rotary embedding multiplies the
+    half-precision q and k by float32 cos/sin, so q and k arrive in float32 and v in bf16: as
+    transformers' own flash integration does, all three go in autocast's dtype."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) == 1 and query.dtype in _FLASH_DTYPES:
+        return query.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in _FLASH_DTYPES:
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash attention's (fp32: SDPA per sequence)
 
-# varlen_attn's causal flag: `is_causal` in torch 2.9-2.10, a (left, right) window since.
-_CAUSAL: dict[str, Any] = {} if varlen_attn is None else (
-    {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
-    else {"window_size": (-1, 0)})
+VARLEN_DEVICES = ("cuda",)  # where varlen_attn has a kernel (flash attention)
+
+# varlen_attn's causal flag: `is_causal` in torch 2.9-2.10, a (left, right) window since;
+# `enable_gqa` (fewer key/value heads than query heads, without a copy) since 2.12.
+_PARAMETERS = () if varlen_attn is None else inspect.signature(varlen_attn).parameters
+_CAUSAL: dict[str, Any] = {"is_causal": True} if "is_causal" in _PARAMETERS else {"window_size": (-1, 0)}
+_TAKES_GQA = "enable_gqa" in _PARAMETERS
 
 
 def _mask(attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:

@@ -55,16 +55,17 @@ class CastWeights:
 
 
 def open_weights(weights: Weights, first: WeightLayout | None
-                 ) -> tuple[WeightLayout, Iterator[torch.Tensor], bool]:
-    """(layout, one tensor per slot in order, whether any is on a GPU) of a publish; a layout
-    that differs from the first publish's (`first`) raises."""
+                 ) -> tuple[WeightLayout, Iterator[torch.Tensor], torch.device | None]:
+    """(layout, one tensor per slot in order, the GPU the tensors are on or None on the host)
+    of a publish; a layout that differs from the first publish's (`first`) raises. A trainer
+    rank's weights are on one device."""
     if isinstance(weights, Mapping):
         layout = first or WeightLayout.from_weights(weights)
         sources = layout.sources(weights)
-        return layout, iter(sources), any(t.is_cuda for t in sources)
+        return layout, iter(sources), next((t.device for t in sources if t.is_cuda), None)
     if first is not None and first.to_json() != weights.layout.to_json():
         raise ValueError("weights differ from the layout of the first publish")
-    return weights.layout, weights.tensors(), weights.device.type == "cuda"
+    return weights.layout, weights.tensors(), weights.device if weights.device.type == "cuda" else None
 
 
 class WeightSender(Protocol):

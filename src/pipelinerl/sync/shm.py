@@ -191,12 +191,12 @@ class ShmWeightSender:
         if self._version is not None and version <= self._version:
             raise ValueError(f"version {version} is not newer than {self._version}")
         t0 = time.perf_counter()
-        layout, sources, on_gpu = open_weights(weights, self._layout)
+        layout, sources, gpu = open_weights(weights, self._layout)
         if self._layout is None:
             self._create(layout)
         assert self._header is not None and self._data is not None
-        if on_gpu:
-            self._page_lock.ensure(self._data)
+        if gpu is not None:
+            self._page_lock.ensure(self._data, gpu)
         header = self._header
         seq = int(header[_SEQ_I])
         header[_SEQ_I] = seq + 1  # odd: readers retry until the write is done
@@ -204,8 +204,8 @@ class ShmWeightSender:
         header[_VERSION_I] = version
         with torch.no_grad():
             for view, src in zip(self._views, sources, strict=True):
-                view.copy_(src, non_blocking=on_gpu)
-        wait = _landing(on_gpu)
+                view.copy_(src, non_blocking=gpu is not None)
+        wait = _landing(gpu)
         if wait is None:
             self._make_visible(seq + 2, version, t0)
             return
@@ -264,16 +264,20 @@ class ShmWeightSender:
             self._fd = None
 
 
-def _landing(on_gpu: bool) -> Callable[[], None] | None:
-    """A wait for the device-to-host copies just enqueued to land; None when the sources were
-    on the host (the copies are done)."""
-    if not on_gpu:
+def _landing(gpu: torch.device | None) -> Callable[[], None] | None:
+    """A wait for the device-to-host copies just enqueued on `gpu`'s current stream to land;
+    None when the sources were on the host (the copies are done). The event is recorded on that
+    device's stream, not the current device's: a trainer on cuda:1 beside an engine on cuda:0
+    would otherwise record on cuda:0's idle stream, complete at once and offer a version whose
+    copies are still in flight."""
+    if gpu is None:
         return None
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(gpu))
     return done.synchronize
 
 
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the device's
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the actors' mapping is PROT_READ
 
 
@@ -284,24 +288,29 @@ class _PageLock:
     old driver, a memlock limit) is logged once and the copies stay pageable."""
 
     def __init__(self, read_only: bool) -> None:
-        self.flags = _CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+        self.flags = _CUDA_HOST_REGISTER_PORTABLE | (_CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
         self.ptr: int | None = None
+        self.device: torch.device | None = None
         self.refused = False
 
-    def ensure(self, data: torch.Tensor) -> None:
+    def ensure(self, data: torch.Tensor, device: torch.device) -> None:
+        """Page-lock `data` from `device`'s context (the GPU the copies run on), never from
+        whichever is current: that would open a context on another process's GPU."""
         if self.ptr is not None or self.refused:
             return
-        err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), self.flags)
+        with torch.cuda.device(device):
+            err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), self.flags)
         if int(err) != 0:
             self.refused = True
             logger.warning("could not page-lock the weight buffer (cudaHostRegister error %d): "
                            "weight copies to the GPU stay pageable (slower)", int(err))
             return
-        self.ptr = data.data_ptr()
+        self.ptr, self.device = data.data_ptr(), device
 
     def release(self) -> None:
         if self.ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            with torch.cuda.device(self.device):
+                torch.cuda.cudart().cudaHostUnregister(self.ptr)
             self.ptr = None
 
 
@@ -406,8 +415,9 @@ class ShmWeightReceiver:
         assert self._layout is not None and self._header is not None
         dests = self._layout.bind(targets)
         assert self._data is not None
-        if any(t.is_cuda for ts in dests for t in ts):
-            self._page_lock.ensure(self._data)
+        gpu = next((t.device for ts in dests for t in ts if t.is_cuda), None)
+        if gpu is not None:
+            self._page_lock.ensure(self._data, gpu)
         header = self._header
         deadline = time.monotonic() + self.timeout_s
         with torch.no_grad():
