@@ -128,6 +128,25 @@ def test_a_weight_update_lands_between_two_tokens_of_a_request(served) -> None:
     ({"model": "tiny", "token_ids": [1, VOCAB]}, "outside the vocabulary"),
     ({"model": "tiny", "token_ids": [1] * 40}, "leaves no room to generate in max_model_len 40"),
     ({"model": "other", "token_ids": [1]}, "not served here"),
+    # Too small to divide a logit by in float32 (issue 41): inf logits, then NaN log-probs.
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"repetition_penalty": 1e-45}},
+     "repetition_penalty"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"repetition_penalty": 0.009}},
+     "repetition_penalty"),
+    # JSON's NaN and Infinity (Python's json reads them) are no sampling parameters.
+    ('{"token_ids": [1], "sampling_params": {"repetition_penalty": Infinity}}',
+     "repetition_penalty"),
+    # A bool is no integer, though pydantic's lax mode takes true for 1 (issue 41).
+    ({"model": "tiny", "token_ids": [True, 2]}, "token_ids"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"stop_token_ids": [True]}},
+     "stop_token_ids"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"seed": True}}, "seed"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"max_tokens": True}}, "max_tokens"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"top_k": True}}, "top_k"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"n": True}}, "'n'"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"temperature": True}}, "temperature"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"top_p": "0.5"}}, "top_p"),
+    ({"model": "tiny", "token_ids": [1], "sampling_params": {"ignore_eos": 1}}, "ignore_eos"),
 ])
 def test_a_bad_request_gets_a_400_naming_what_is_wrong(served, body: Any, message: str) -> None:
     _, _, endpoint, driver = served
@@ -136,6 +155,39 @@ def test_a_bad_request_gets_a_400_naming_what_is_wrong(served, body: Any, messag
               else requests.post(url, json=body, timeout=10))
     assert answer.status_code == 400 and message in answer.json()["error"]["message"]
     assert _generate(endpoint.url, [1, 2], max_tokens=2).status_code == 200  # still serving
+
+
+def test_a_temperature_below_1e_5_is_greedy_with_finite_log_probs(served) -> None:
+    """vLLM's rule: a temperature below 1e-5 is greedy. Logits divided by 1e-39 overflow to
+    inf, whose softmax is NaN: a log-prob strict JSON parsers refuse (issue 41)."""
+    _, _, endpoint, _ = served
+    greedy = _generate(endpoint.url, [3, 4, 5], max_tokens=6, temperature=0).json()["choices"][0]
+    for tiny in (1e-39, 9e-6):
+        choice = _generate(endpoint.url, [3, 4, 5], max_tokens=6,
+                           temperature=tiny).json()["choices"][0]
+        logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+        assert all(math.isfinite(x) for x in logprobs), logprobs
+        assert choice["token_ids"] == greedy["token_ids"]
+        assert logprobs == [c["logprob"] for c in greedy["logprobs"]["content"]]
+
+
+def test_a_non_finite_log_prob_from_the_engine_answers_500_and_is_kept_nowhere() -> None:
+    """JSON cannot carry NaN: the client gets an error it can read, not `"logprob": NaN`."""
+    endpoint = _endpoint()  # no driver: the test plays the actor's loop
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(requests.post, f"{endpoint.url}/inference/v1/generate",
+                                 json={"token_ids": [1, 2]}, headers={"X-Session-ID": "s"},
+                                 timeout=30)
+            _wait_for(lambda: endpoint._queue.qsize() == 1)
+            (request,) = endpoint.take(4)
+            assert endpoint.finish(GenerationOutput(request.request_id, [1, 2], [3, 4],
+                                                    [-0.5, float("nan")], [0, 0], "length"))
+            got = answer.result()
+        assert got.status_code == 500 and "non-finite log-prob" in got.json()["error"]["message"]
+        assert endpoint.take_session("s") == []
+    finally:
+        endpoint.close()
 
 
 def test_a_request_longer_than_the_context_leaves_gets_what_fits(served) -> None:

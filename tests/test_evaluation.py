@@ -389,3 +389,33 @@ def test_the_eval_command_evaluates_a_saved_model(tmp_path, warm_cache, capsys):
     assert 0.0 <= figures["eval/sampled/pass@1"] <= figures["eval/sampled/pass@2"] <= 1.0
     assert main(["eval", str(tmp_path / "missing"), str(EXAMPLE)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("test_split", [None, "test"])
+def test_the_eval_command_names_what_chose_its_held_out_set(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], test_split: str | None) -> None:
+    """task.heldout_frac in the header only when it chose the set: a dataset's test split (an
+    environment's eval_taskset likewise) is the task's own held-out set (issue 41)."""
+    from pipelinerl.evaluation import evaluate_saved_model
+    from pipelinerl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", build_char_tokenizer("0123456789+=", tmp_path))
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text("".join(
+            json.dumps({"q": f"{a}+{b}=", "sol": str(a + b)}) + "\n"
+            for a in range(10) for b in range(10)))
+    params = json.dumps({"path": str(data), "prompt_column": "q", "answer_column": "sol",
+                         **({"test_split": test_split} if test_split else {})})
+    cfg = load_config(overrides=[f"model.path={model}", "task.name=dataset",
+                                 f"task.params={params}", "task.heldout_frac=0.5",
+                                 "eval.num_problems=2", "eval.temperature=0",
+                                 "engine.max_new_tokens=2", "eval.capacity=2"])
+    assert evaluate_saved_model(str(model), cfg) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "2 held-out problems of task 'dataset'" in header
+    if test_split:
+        assert "the task's own held-out set" in header and "heldout_frac" not in header
+    else:
+        assert "task.heldout_frac=0.5" in header

@@ -11,8 +11,10 @@ ids with each token's log-prob, and here also each token's policy version.
              "versions": [int]}]}
 
 `sampling_params` are vLLM's, with vLLM's meaning (pipelinerl.engine.sampling says how they
-sample): `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `seed` (draws of the
-request's own, the same whatever shares its batch), `max_tokens`, `n` (1), `stop_token_ids`
+sample): `temperature` (below 1e-5 greedy, vLLM's rule: temperature 0 here), `top_p`, `top_k`,
+`min_p`, `repetition_penalty` (at least 0.01, where vLLM takes any above 0: a logit divided by
+less may overflow float32, and its log-probs turn NaN), `seed` (draws of the request's own,
+the same whatever shares its batch), `max_tokens`, `n` (1), `stop_token_ids`
 (added to the model's end tokens, which stop a completion unless `ignore_eos`), `stop`
 (strings: the completion ends once its text, decoded with `skip_special_tokens`, holds one;
 its tokens stay whole, finish_reason "stop"). Each token's log-prob is that of the
@@ -22,7 +24,10 @@ token's log-prob comes back, whatever it asks), `detokenize`, `spaces_between_sp
 `include_stop_str_in_output`, `output_kind`, and verifiers' `routed_experts_prompt_start` and
 `reasoning_effort`. vLLM's others (`presence_penalty`, `frequency_penalty`, `min_tokens`,
 `logit_bias`, ...) are refused unless they are at vLLM's default, and unknown fields are
-refused: a 400 names them, rather than a completion sampled otherwise than asked.
+refused: a 400 names them, rather than a completion sampled otherwise than asked. Values
+are taken as JSON types them, strictly: `true` is no integer, `"0.5"` no number, and NaN or
+Infinity (which Python's JSON reader takes) no parameter. No answer carries a non-finite
+log-prob, which JSON cannot: should the engine give one, the request gets a 500 saying so.
 
 A request with an `X-Session-ID` header (verifiers' TrainClient sends its trace id) has its
 answer kept under that id until `take_session` collects it: the traces an environment library
@@ -45,6 +50,7 @@ import atexit
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -67,16 +73,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REQUEST_PREFIX = "ep-"  # request ids of the endpoint's requests in the engine
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: logits / 1e-39 overflow to inf, softmax to NaN
+# A repeated token's positive logit is divided by the penalty: by at most 100 it stays far
+# inside float32 for any logit a model makes; by 1e-45, any above 5e-7 overflows to inf.
+MIN_REPETITION_PENALTY = 0.01
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # then checked: `_NO_EFFECT`, `_UNSUPPORTED`
+    # extra: then checked (`_NO_EFFECT`, `_UNSUPPORTED`). strict: lax mode takes true for 1.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, description=f"below {GREEDY_BELOW}: greedy")
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1, description="vLLM's -1 (or 0): off")
     min_p: float = Field(default=0.0, ge=0, le=1)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # torch's seed range
     max_tokens: int | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
@@ -104,7 +115,7 @@ _UNSUPPORTED: dict[str, Any] = {
 
 
 class _Generate(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = ""
     token_ids: list[int] = Field(min_length=1)
@@ -218,9 +229,16 @@ class GenerateEndpoint:
             waiting = self._waiting.pop(out.request_id, None)
         if waiting is None:
             return False
-        if waiting.session is not None and not waiting.abandoned:
-            self._keep(waiting.session, Answer(out.token_ids, out.logprobs, out.versions))
-        waiting.loop.call_soon_threadsafe(_resolve, waiting.future, self._response(out))
+        if not all(map(math.isfinite, out.logprobs)):  # JSON has no NaN: strict parsers refuse it
+            log.error("endpoint request %s: the engine gave a non-finite log-prob: %s",
+                      out.request_id, out.logprobs)
+            answer = _error_body(500, "the engine gave a non-finite log-prob (NaN or infinity), "
+                                      "which JSON cannot carry")
+        else:
+            if waiting.session is not None and not waiting.abandoned:
+                self._keep(waiting.session, Answer(out.token_ids, out.logprobs, out.versions))
+            answer = self._response(out)
+        waiting.loop.call_soon_threadsafe(_resolve, waiting.future, answer)
         return True
 
     def take_session(self, session: str) -> list[Answer]:
@@ -316,6 +334,8 @@ class GenerateEndpoint:
             raise
         if response is None:
             return _error(503, "the actor stopped before the request finished")
+        if "error" in response:  # `finish` refused to answer it
+            return web.json_response(response, status=response["error"]["code"])
         return web.json_response(response)
 
     def _check(self, body: _Generate) -> str:
@@ -365,7 +385,8 @@ class GenerateEndpoint:
         strings = p.stop_strings
         return SamplingParams(
             max_new_tokens=min(p.max_tokens or self.default_max_tokens, room),
-            temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k), min_p=p.min_p,
+            temperature=0.0 if p.temperature < GREEDY_BELOW else p.temperature,
+            top_p=p.top_p, top_k=max(0, p.top_k), min_p=p.min_p,
             repetition_penalty=p.repetition_penalty, seed=p.seed,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             stop=StopStrings(strings, self._detokenizer, p.skip_special_tokens) if strings else None)
@@ -391,5 +412,9 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "code": status}}
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return web.json_response(_error_body(status, message), status=status)

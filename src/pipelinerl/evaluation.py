@@ -266,6 +266,9 @@ class EvalSetup:
     rollouts: Rollouts | None = None  # an environment's multi-turn rollouts, on the engine
     # An environment of another library: its episodes, and the endpoint they call.
     episodes: tuple[GenerateEndpoint, EpisodeRunner] | None = None
+    # The task's own held-out set (a dataset's test_split, an environment's eval_taskset)
+    # chose `problems`, not task.heldout_frac (`tasks.split.heldout_problems`).
+    own_heldout: bool = False
 
     def run(self, engine: Engine, between_steps: Callable[[], None] = lambda: None
             ) -> dict[str, float]:
@@ -296,6 +299,7 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     an engine with the model at `model_path`, as the config asks."""
     task: Task = make_task(cfg.task.name, cfg.task.params)
     problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
+    own_heldout = bool(getattr(task, "has_test_split", False))
     codec, tokenizer = text_codec(cfg, model_path)
     base = sampling_from_config(cfg.engine, codec.stop_ids)
     engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
@@ -311,7 +315,7 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
         runner = open_episodes(cfg, task, endpoint, tokenizer, actor_id=-1)
         engine = make_engine(engine_cfg, model_path, seed=cfg.seed * 1000 + 999)
         return EvalSetup(problems, [], eval_modes(cfg.eval, base), None, codec.decode,
-                         episodes=(endpoint, runner)), engine
+                         episodes=(endpoint, runner), own_heldout=own_heldout), engine
     problems, prompt_ids = fitting_problems(
         problems, codec.encode,
         cfg.engine.max_seq_len - cfg.engine.max_new_tokens)
@@ -322,7 +326,7 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
         rollouts = Rollouts(task, engine, codec.encode_text, codec.decode, base,
                             cfg.actor.env_timeout_s, cfg.actor.env_workers)
     setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer, codec.decode,
-                      rollouts)
+                      rollouts, own_heldout=own_heldout)
     return setup, engine
 
 
@@ -339,8 +343,10 @@ def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
         metrics = setup.run(engine)
     finally:
         setup.close()
+    chosen_by = ("the task's own held-out set" if setup.own_heldout
+                 else f"task.heldout_frac={cfg.task.heldout_frac}")
     print(f"{model_dir}: {len(setup.problems)} held-out problems of task {cfg.task.name!r} "
-          f"(task.heldout_frac={cfg.task.heldout_frac}, eval.seed={cfg.eval.seed})")
+          f"({chosen_by}, eval.seed={cfg.eval.seed})")
     for key, value in metrics.items():
         print(f"  {key:<40} {value:.4f}")
     print(json.dumps(metrics))
