@@ -106,8 +106,8 @@ class GraphRunner(EagerRunner):
         # every graph writes into.
         self._ids = torch.zeros(capacity, dtype=torch.long, device=self.device)
         self._positions = torch.full((capacity,), max_seq_len, dtype=torch.long, device=self.device)
-        self._logits = torch.empty(capacity, model.config.vocab_size, dtype=cache.k[0].dtype,
-                                   device=self.device)
+        self._logits = torch.empty(capacity, model.config.vocab_size,
+                                   dtype=model.lm_head.weight.dtype, device=self.device)
         self._graphs: dict[tuple[int, int], cuda.CUDAGraph] = {}
         self.capture_s, self.graph_bytes = 0.0, 0  # what capturing cost: seconds, pool memory
         if capture:
