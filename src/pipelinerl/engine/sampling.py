@@ -43,7 +43,8 @@ def truncation_threshold(scaled: Tensor, top_k: Tensor | int, top_p: Tensor | fl
                          min_p: Tensor | float = 0.0) -> Tensor:
     """The smallest kept value of each row of `scaled` (n, V) (logits / T) under min-p, then
     top-k, then top-p; -inf where none truncates. `top_k` (0: off), `top_p` (1: off) and
-    `min_p` (0: off) are per row (n,) or one for all rows. Returns (n, 1): the kept set is
+    `min_p` (0: off) are per row (n,) or one for all rows; a tensor `min_p` costs a pass over
+    the rows even where every row has 0 (pass 0.0 then). Returns (n, 1): the kept set is
     `scaled >= threshold`.
 
     Only the largest candidates are sorted (`topk`), not the whole vocabulary: a full sort of
@@ -85,9 +86,10 @@ def truncation_threshold(scaled: Tensor, top_k: Tensor | int, top_p: Tensor | fl
 
 def _min_p_floor(scaled: Tensor, min_p: Tensor | float) -> Tensor:
     """Per row (n, 1): p >= min_p * p_max, that is scaled >= max + log(min_p); -inf for
-    min_p = 0 (without a pass over the rows, or for a number a host sync, when none uses it)."""
+    min_p = 0. A tensor is applied as it is: asking whether any row uses it would be a host
+    sync, so the caller, which knows, passes the number 0 instead when none does."""
     n = scaled.shape[0]
-    if not (min_p > 0 if isinstance(min_p, (int, float)) else bool((min_p > 0).any())):
+    if isinstance(min_p, (int, float)) and not min_p > 0:
         return scaled.new_full((n, 1), float("-inf"))
     min_p = torch.as_tensor(min_p, dtype=scaled.dtype, device=scaled.device).expand(n)
     return (scaled.amax(dim=-1) + min_p.log()).unsqueeze(1)  # log 0 = -inf: off
@@ -97,12 +99,13 @@ def apply_repetition_penalty(logits: Tensor, tokens: Tensor, lengths: Tensor,
                              penalty: Tensor) -> Tensor:
     """vLLM's (and transformers') repetition penalty: the logit of every token among the
     first `lengths[i]` of `tokens[i]` (prompt and generated) is divided by `penalty[i]` where
-    positive, multiplied where negative. `logits` (n, V); `tokens` (n, >= max length);
-    `lengths`, `penalty` (n,); a row with penalty 1 is unchanged."""
-    width = int(lengths.max())
-    valid = torch.arange(width, device=tokens.device) < lengths.to(tokens.device).unsqueeze(1)
+    positive, multiplied where negative. `logits` (n, V); `tokens` (n, W), each of its W
+    columns looked at, so no wider than the longest length (the caller cuts it: reading the
+    length from the device would be a host sync); `lengths`, on `tokens`' device, and
+    `penalty` (n,); a row with penalty 1 is unchanged."""
+    valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths.unsqueeze(1)
     # Positions past a row's length name its first token instead, which is in it anyway.
-    ids = torch.where(valid, tokens[:, :width], tokens[:, :1])
+    ids = torch.where(valid, tokens, tokens[:, :1])
     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, True)
     p = penalty.unsqueeze(1)
     return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)

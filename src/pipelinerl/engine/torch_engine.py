@@ -93,6 +93,7 @@ class TorchEngine:
         self._temperature = torch.ones(capacity, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(capacity, dtype=torch.long, device=dev)
         self._top_p = torch.ones(capacity, dtype=torch.float32, device=dev)
+        self._min_p = torch.zeros(capacity, dtype=torch.float32, device=dev)
         self._penalty = torch.ones(capacity, dtype=torch.float32, device=dev)  # repetition
         self._stop_ids = torch.full((capacity, 1), -1, dtype=torch.long, device=dev)  # -1 pads
         # Stop sequences, right-aligned, -1 on the left matches anything: (capacity, S, W).
@@ -103,7 +104,7 @@ class TorchEngine:
         self._max_new = torch.zeros(capacity, dtype=torch.long)
         self._truncates = torch.zeros(capacity, dtype=torch.bool)  # uses top-k, top-p or min-p
         self._penalised = torch.zeros(capacity, dtype=torch.bool)  # repetition penalty != 1
-        self._min_p = torch.zeros(capacity, dtype=torch.float32)  # on the device when used
+        self._uses_min_p = torch.zeros(capacity, dtype=torch.bool)  # min_p > 0
         # A request's own sampler (its seed) and its stop strings' matcher, per slot.
         self._generators: list[torch.Generator | None] = [None] * capacity
         self._matchers: list[StopMatcher | None] = [None] * capacity
@@ -305,6 +306,7 @@ class TorchEngine:
         self._top_k[slot] = p.top_k
         self._top_p[slot] = p.top_p
         self._min_p[slot] = p.min_p
+        self._uses_min_p[slot] = p.min_p > 0
         self._penalty[slot] = p.repetition_penalty
         self._penalised[slot] = p.repetition_penalty != 1
         self._generators[slot] = None
@@ -405,10 +407,12 @@ class TorchEngine:
     def _sample_into(self, start: int, end: int, logits: torch.Tensor) -> None:
         """Sample the next token of slots start..end-1 and append it with its log-prob/version."""
         logits = logits.float()
+        # The lengths go to the device once; which rows use what, the host mirrors say (no sync).
+        cols = self._len[start:end].to(self.device)
         if self._penalised[start:end].any():
-            logits = apply_repetition_penalty(logits, self._tokens[start:end],
-                                              self._len[start:end], self._penalty[start:end])
-        min_p = self._min_p[start:end]
+            width = int(self._len[start:end].max())
+            logits = apply_repetition_penalty(logits, self._tokens[start:end, :width], cols,
+                                              self._penalty[start:end])
         tokens, logprobs = sample_tokens(
             logits,
             self._temperature[start:end],
@@ -416,12 +420,11 @@ class TorchEngine:
             self._top_p[start:end],
             self._generator,
             bool(self._truncates[start:end].any()),
-            min_p.to(self.device) if bool(min_p.any()) else 0.0,  # 0.0: no sync to find out
+            self._min_p[start:end] if self._uses_min_p[start:end].any() else 0.0,
             [(i, g) for i, g in enumerate(self._generators[start:end]) if g is not None]
             if any(self._generators[start:end]) else (),
         )
         rows = torch.arange(start, end, device=self.device)
-        cols = self._len[start:end].to(self.device)
         self._tokens[rows, cols] = tokens
         self._logprobs[rows, cols] = logprobs
         self._versions[rows, cols] = self.version
@@ -490,7 +493,7 @@ class TorchEngine:
         per_position = [self._tokens, self._logprobs, self._versions]
         per_slot = [self._temperature, self._top_k, self._top_p, self._min_p, self._penalty,
                     self._stop_ids, self._stop_seqs, self._len, self._turn_start, self._max_new,
-                    self._truncates, self._penalised, self._parked, self._stale]
+                    self._truncates, self._penalised, self._uses_min_p, self._parked, self._stale]
         return per_position, per_slot
 
     def _copy_slots(self, src: list[int], dst: list[int]) -> None:
