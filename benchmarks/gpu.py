@@ -15,6 +15,7 @@ Checks (`--checks`, default 1-5):
   7 step profile: a 32-sample SmolLM2-shaped `rl_step`: ms, kernels launched, host syncs.
   8 smollm2: examples/smollm2.yaml on the device from its GGUF, pipeline vs conventional G=2,
     held-out pass@1 over time.
+  9 trainer profile: check 4's 0.5B step under trainer.precision tf32 and bfloat16, profiled.
 
 `--plan issue35` runs 7,2,4,8 in one call of at most 9 minutes; benchmarks/gpu_session.sh
 prepares its carriage (wheels the GPU machine lacks, the GGUF in two parts) and runs it there.
@@ -829,6 +830,56 @@ def check_step_profile(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+# -- 9. the 0.5B training step, profiled --------------------------------------------------------
+
+def check_trainer_profile(ctx: Ctx) -> dict[str, Any]:
+    """Check 4's 0.5B step (64 samples, rows of 4096 tokens) under `trainer.precision` tf32 with
+    sdpa and bfloat16 with per_sequence attention (the trainer's default on CUDA): ms a step,
+    kernels launched, host waits and value reads, and the top ops by device time of one
+    profiled step to $OUT/trainer_profile_<precision>.txt: where a bf16 step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pipelinerl.config import Config
+    from pipelinerl.rl.attention import set_packed_attention
+    from pipelinerl.rl.step import rl_step
+    from pipelinerl.trainer import make_optimizer
+
+    dev, res = ctx.device, {}
+    shape = QUICK if ctx.quick else QWEN2_05B
+    rng = random.Random(6)
+    batches = [make_groups(8, 8, shape["vocab_size"], rng, ctx.quick) for _ in range(3)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    first = "tf32" if dev.type == "cuda" else "float32"  # TF32 is a tensor-core format
+    for precision, attention in ((first, "masked_row"), ("bfloat16", "per_sequence")):
+        model = build_hf(shape, dev).train().requires_grad_(True)
+        cfg = Config.model_validate({"trainer": {"batch_size": 64, "max_tokens_per_row": 4096,
+                                                 "precision": precision, "packed_attention": attention,
+                                                 "device": str(dev)}, "actor": {"group_size": 8}})
+        set_packed_attention(model, cfg.trainer)
+        optimizer = make_optimizer(model, cfg.trainer)
+        rl_step(model, optimizer, batches[0], cfg, trainer_version=0)  # warm-up, Adam's state
+        seconds, metrics = timed(ctx, lambda: rl_step(model, optimizer, batches[1], cfg, trainer_version=0))
+        with profile(activities=activities) as prof:
+            rl_step(model, optimizer, batches[2], cfg, trainer_version=0)
+            ctx.sync()
+        events = prof.key_averages()
+        count = lambda names: sum(e.count for e in events if e.key in names)  # noqa: E731
+        params = sum(p.numel() for p in model.parameters())
+        entry = {"step_s": seconds, "tokens": metrics["input_tokens"],
+                 "mfu_vs_989T": 6 * params * metrics["input_tokens"] / seconds / H100_BF16_DENSE_FLOPS,
+                 "kernel_launches": count(_LAUNCHES), "device_waits": count(_WAITS),
+                 "value_reads": count(("aten::_local_scalar_dense",)),
+                 "copies": count(("aten::copy_",)), "aten_ops": sum(e.count for e in events if e.key.startswith("aten::"))}
+        sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        (ctx.out / f"trainer_profile_{precision}.txt").write_text(events.table(sort_by=sort, row_limit=30))
+        res[f"{precision} {attention}"] = entry
+        log(f"  trainer profile {precision} {attention}: {entry}")
+        del model, optimizer
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
 # -- 8. SmolLM2 learning: pipeline vs conventional G=2 ---------------------------------------
 
 SMOLLM2_OVERHEAD_S = 60
@@ -882,10 +933,10 @@ def check_smollm2(ctx: Ctx) -> dict[str, Any]:
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "1": check_correctness, "2": check_engine, "3": check_pause, "4": check_trainer, "5": check_pipeline,
-    "6": check_profile, "7": check_step_profile, "8": check_smollm2,
+    "6": check_profile, "7": check_step_profile, "8": check_smollm2, "9": check_trainer_profile,
 }
 NAMES = {"1": "correctness", "2": "engine", "3": "pause", "4": "trainer", "5": "pipeline",
-         "6": "engine_profile", "7": "step_profile", "8": "smollm2"}
+         "6": "engine_profile", "7": "step_profile", "8": "smollm2", "9": "trainer_profile"}
 
 
 PLANS: dict[str, dict[str, Any]] = {
