@@ -6,6 +6,7 @@ Every option is off by default; the defaults reproduce the paper's loss and a co
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ import torch
 from pipelinerl.config import (
     ActorConfig,
     AdvantageConfig,
+    Config,
     ConfigError,
     LossConfig,
     TrainerConfig,
@@ -99,7 +101,7 @@ def test_trainer_steps_the_schedule_after_each_step_with_fake_rl_step(monkeypatc
     def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
                      ref_model=None):
         optimizer.step()
-        return {"input_tokens": 0, "lr": optimizer.param_groups[0]["lr"]}
+        return {"input_tokens": 0, "samples": num_sequences, "lr": optimizer.param_groups[0]["lr"]}
 
     monkeypatch.setattr("pipelinerl.trainer.rl_step", fake_rl_step)
     cfg = load_config(overrides=["trainer.lr=1.0", "trainer.warmup_steps=4",
@@ -253,6 +255,54 @@ def test_token_mean_divides_by_the_steps_trained_tokens() -> None:
     close(m_tok["loss"], m_seq["loss"] * len(samples) / tokens, tol=1e-6)
 
 
+def branched_group() -> Group:
+    """random_groups' group 1 (4 attempts, one sample each), but its episode 0 branched (as a
+    verifiers trace can): a second sample of that episode, with its reward: 5 samples."""
+    group = random_groups()[1]
+    first = group.samples[0]
+    branch = replace(first, prompt_ids=first.prompt_ids + first.token_ids[:2],
+                     token_ids=[(t + 1) % VOCAB for t in first.token_ids])
+    group.samples = [replace(s, episode=i) for i, s in enumerate(group.samples)]
+    group.samples.append(replace(branch, episode=0))
+    return group
+
+
+class _Source(SimpleNamespace):
+    """What `TrainerRun.train` reads of rank 0's stream source besides the groups."""
+
+    def __init__(self) -> None:
+        super().__init__(wait_s=0.0, dropped={}, actor_stats={})
+
+    def take_dropped_ids(self) -> dict[str, list[str]]:
+        return {}
+
+
+def test_a_step_with_a_branched_episode_divides_by_and_counts_every_branch() -> None:
+    """trainer.batch_size is 4 samples, the step holds 5 (an episode's two branches): the
+    sum_per_sequence loss divides by 5 and samples_trained counts 5."""
+    from pipelinerl.trainer import Trainer, TrainerRun, progress_bar
+
+    group = branched_group()
+    cfg = load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={GROUP}",
+                                 "trainer.max_steps=1", "trainer.grad_clip=1e9"])
+    reference = tiny_hf_model("qwen2", seed=1).train()
+    expected = rl_step(reference, torch.optim.SGD(reference.parameters(), lr=0.0), [group], cfg,
+                       0, num_sequences=5)["loss"]
+    model = tiny_hf_model("qwen2", seed=1).train()
+    records: list[dict] = []
+    run = TrainerRun(cfg=cfg, rank=0, world=1, device="cpu", model=model, sharded=False,
+                     trainer=Trainer(cfg, model, source=_Source(), sender=None), tokenizer=None,
+                     due=lambda step: False, bar=progress_bar(cfg, enabled=False),
+                     batches=iter([[group]]),
+                     metrics=SimpleNamespace(log=lambda step, record: records.append(record)),
+                     trained_log=io.StringIO(), control=None, evals=None)
+    run.train()
+    (record,) = records
+    assert record["samples_trained"] == 5
+    close(record["loss"], expected, tol=1e-6)
+    assert record["samples"] == 5
+
+
 def test_is_mask_through_the_step() -> None:
     """The step's gradient with is_mask equals the masked loss computed in one piece."""
     groups = random_groups()
@@ -366,7 +416,7 @@ def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
                      ref_model=None):
         seen.append(ref_model)
         optimizer.step()
-        return {"input_tokens": 0}
+        return {"input_tokens": 0, "samples": num_sequences}
 
     monkeypatch.setattr("pipelinerl.trainer.load_model", fake_load_model)
     monkeypatch.setattr("pipelinerl.trainer.rl_step", fake_rl_step)
@@ -641,6 +691,33 @@ def test_a_rank_whose_samples_are_all_masked_joins_the_step() -> None:
     assert moved > 1e-3  # rank 0's samples trained both replicas
     for a, b in zip(*after):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _branched_step_cfg() -> Config:
+    return load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={2 * GROUP}",
+                                  "trainer.grad_clip=1e9"])
+
+
+def _branched_rank(rank: int, world: int) -> list[torch.Tensor]:
+    """One of two gloo ranks of `test_ranks_divide_by_the_samples_of_every_rank`: rank 0's
+    shard is the branched group (5 samples), rank 1's a plain one (4). Its weights after."""
+    model = torch.nn.parallel.DistributedDataParallel(tiny_hf_model("qwen2", seed=1).train())
+    groups = [branched_group(), random_groups()[0]][rank:rank + 1]
+    rl_step(model, torch.optim.SGD(model.parameters(), lr=1.0), groups, _branched_step_cfg(), 0)
+    return [p.detach() for p in model.module.parameters()]
+
+
+@pytest.mark.slow  # two processes importing transformers
+def test_ranks_divide_by_the_samples_of_every_rank() -> None:
+    """Shards of unequal sample counts (a branched episode): each rank's loss divides by the
+    step's 9 samples, as one process taking the whole step does, not by its own 5 or 4."""
+    after = run_ranks(2, _branched_rank, timeout_s=60)
+    whole = tiny_hf_model("qwen2", seed=1).train()
+    metrics = rl_step(whole, torch.optim.SGD(whole.parameters(), lr=1.0),
+                      [branched_group(), random_groups()[0]], _branched_step_cfg(), 0)
+    for a, b in zip(after[0], whole.parameters()):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-4)
+    assert metrics["samples"] == 9
 
 
 def test_a_non_finite_gradient_skips_the_step() -> None:

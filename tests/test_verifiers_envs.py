@@ -57,6 +57,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 PARAGRAPH = "\n\n"
+LINE_DIM = 0  # the paragraph model's residual dimension that marks a "\n" read
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,11 @@ def paragraph_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The chat model's tokenizer with one more token, "\n\n", that encoding never makes (it
     splits every character): a sampled "\n\n" comes back as "\n", "\n" when verifiers' generic
     renderer rebuilds the turn from its text, as SmolLM2's does with its 1116 -> 198, 198. The
-    model samples it about where it would a space."""
+    model samples it about where it would a space, and always right after a "\n": the chat
+    template's assistant header ends with one, so every turn opens with "\n\n" and every
+    episode with a second turn branches. Not left to the sampler: the engine draws each step's
+    noise for the whole batch, so what a call samples depends on which calls share its steps,
+    that is on when the episodes' concurrent calls arrive."""
     from tiny_models import tiny_hf_model
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -87,6 +92,17 @@ def paragraph_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for token in ("<|endoftext|>", "<|im_start|>"):  # no other special token: see above
             head[vocab[token]] = 0.0
         head[vocab[PARAGRAPH]] = 1.3 * head[vocab[" "]]
+        # One residual dimension only a "\n" writes (no other embedding, no layer output), so
+        # large that it dominates the final norm there, and only "\n\n" reads: after a "\n"
+        # its logit leads every other by > 150 (another is drawn with odds below e^-150);
+        # elsewhere that dimension is 0 and "\n\n" is drawn as above.
+        model.model.embed_tokens.weight[:, LINE_DIM] = 0.0
+        model.model.embed_tokens.weight[vocab["\n"], LINE_DIM] = 1000.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[LINE_DIM] = 0.0
+            layer.mlp.down_proj.weight[LINE_DIM] = 0.0
+        head[:, LINE_DIM] = 0.0
+        head[vocab[PARAGRAPH], LINE_DIM] = 20.0
     return save_model(model, tokenizer, tmp_path_factory.mktemp("paragraph") / "model")
 
 
@@ -298,6 +314,8 @@ def test_an_episode_that_branches_trains_as_one_sample_per_branch(
     metrics = rl_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [group], cfg,
                       trainer_version=0)
     assert sum(metrics["lag_hist"].values()) == sum(len(o[0]) for o in outputs)
+    # The loss divides by every branch: more samples than trainer.batch_size.
+    assert metrics["samples"] == len(samples) > 4
 
 
 def test_the_baseline_counts_a_branched_episode_once_and_gives_its_branches_its_advantage(

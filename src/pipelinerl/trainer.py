@@ -150,7 +150,7 @@ class TrainerRun:
                 if self.is_main:  # groups dropped meanwhile are recorded, though no step follows
                     self.write_trained([])
                 break
-            metrics = trainer.train_step(shard, num_sequences=self.cfg.trainer.batch_size)
+            metrics = trainer.train_step(shard)
             if self.sharded or self.is_main:
                 trainer.maybe_publish()
             record = self.record_step(groups, metrics) if self.is_main else None
@@ -413,14 +413,16 @@ class Trainer:
                 yield round_groups[i * n_groups:(i + 1) * n_groups]
 
     def train_step(self, groups: list[Group], num_sequences: int | None = None) -> dict[str, Any]:
-        """One optimizer step on `groups` (this rank's shard of a step of `num_sequences`)."""
+        """One optimizer step on `groups`, this rank's shard of a step of `num_sequences`
+        samples (None: counted over the ranks; an episode's branches are a sample each, so a
+        step may hold more than trainer.batch_size, and `samples_trained` counts them all)."""
         t0 = time.monotonic()
         metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
                           num_sequences=num_sequences, ref_model=self.ref_model)
         self.scheduler.step()
         self.compute_s += time.monotonic() - t0
         self.step += 1
-        self.samples_trained += num_sequences or sum(len(g.samples) for g in groups)
+        self.samples_trained += metrics["samples"]
         self.tokens_trained += metrics["input_tokens"]
         return metrics
 

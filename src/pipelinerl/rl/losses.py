@@ -6,8 +6,10 @@ sampled with; `new_logprobs` are the trainer's log pi_theta(a_t) (with grad).
 
 Losses are SUMS over tokens divided by `normalizer`, a constant of the whole optimizer step (not
 of the micro-batch): the number of sequences B (`trainer.loss.aggregate=sum_per_sequence`, the
-paper) or the number of trained tokens (`token_mean`, DAPO). The gradients of the micro-batches
-of a step then add up to exactly the gradient of the step computed in one piece.
+paper) or the number of trained tokens (`token_mean`, DAPO), each counted over every rank. B is
+the samples the step holds, each branch of a branched episode one, not `trainer.batch_size`.
+The gradients of the micro-batches of a step then add up to exactly the gradient of the step
+computed in one piece.
 """
 
 from __future__ import annotations

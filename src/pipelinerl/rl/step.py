@@ -47,12 +47,15 @@ def rl_step(
 ) -> dict[str, Any]:
     """Advantages, micro-batched loss and backward, gradient clipping, optimizer step.
 
-    `groups` is this rank's shard; `num_sequences` the number of sequences in the whole step
-    across ranks (B in the loss). `model` may be wrapped in DistributedDataParallel (its
-    gradients all-reduced once, on the last micro-batch) or sharded by FSDP2 (every rank runs as
-    many micro-batch passes as the busiest: each pass gathers weights). `ref_model`: the frozen
-    reference of `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics:
-    loss, grad norm, and `LossStats` (ESS, lag, mismatch) over every trained token of every rank.
+    `groups` is this rank's shard; `num_sequences` the number of samples in the whole step
+    across ranks (B in the loss), None: counted, every rank's summed (an episode that branched
+    is one sample per branch, so a step may hold more than `trainer.batch_size`). `model` may
+    be wrapped in DistributedDataParallel (its gradients all-reduced once, on the last
+    micro-batch) or sharded by FSDP2 (every rank runs as many micro-batch passes as the
+    busiest: each pass gathers weights). `ref_model`: the frozen reference of
+    `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics: loss, grad
+    norm, `samples` (B), and `LossStats` (ESS, lag, mismatch) over every trained token of
+    every rank.
     The forward and backward run in `trainer.precision`.
     """
     with arithmetic(cfg.trainer.precision, next(model.parameters()).device):
@@ -82,9 +85,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
     loss_cfg = tc.loss
     if loss_cfg.kl_coef > 0 and ref_model is None:
         raise ValueError("trainer.loss.kl_coef > 0 needs the reference model (ref_model)")
-    samples = [s for g in groups for s in g.samples]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    num_sequences = num_sequences or len(samples)
     scoring = _scoring(cfg.engine)
     device = next(model.parameters()).device
     batches, trained = _batches_with_advantages(model, groups, tc, scoring, device)
@@ -101,7 +102,11 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
     input_tokens = 0
     step_log_weights = torch.zeros(sum(b.num_sequences for b in batches), dtype=torch.float64,
                                    device=device)
-    normalizer = _loss_normalizer(loss_cfg, batches, num_sequences, device)
+    counted, num_tokens = _step_counts(groups, batches, device)
+    num_samples = num_sequences or counted
+    # The loss's denominator, one constant for the whole step: B, or (token_mean) its tokens.
+    normalizer = float(num_samples if loss_cfg.aggregate == "sum_per_sequence"
+                       else max(1, num_tokens))
     optimizer.zero_grad(set_to_none=True)
     if not batches and world > 1 and not is_sharded(model):
         idle_pass(model, device, backward=True)  # DDP's gradient all-reduce waits for every rank
@@ -158,6 +163,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
         "grad_norm": grad_norm.item(),
         "skipped_nonfinite": int(not finite),
         "input_tokens": int(totals["input_tokens"]),
+        "samples": num_samples,
         "lr": optimizer.param_groups[0]["lr"],
         **metrics,
         **({"is_mask_frac": totals["is_masked"] / tokens} if loss_cfg.is_mask is not None else {}),
@@ -305,17 +311,19 @@ def _scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[None]
             group["lr"] = lr
 
 
-def _loss_normalizer(loss_cfg: LossConfig, batches: list[PackedBatch], num_sequences: int,
-                     device: torch.device) -> float:
-    """The loss's denominator, one constant for the whole step: sequences B, or (token_mean)
-    trained tokens of every micro-batch of every rank, counted before any backward."""
-    if loss_cfg.aggregate == "sum_per_sequence":
-        return float(num_sequences)
-    tokens = torch.tensor(float(sum(b.num_tokens for b in batches)), dtype=torch.float64,
+def _step_counts(groups: list[Group], batches: list[PackedBatch], device: torch.device
+                 ) -> tuple[int, int]:
+    """The step's samples (each branch of an episode one; untrained ones too) and trained
+    tokens, summed over every rank before any backward: the candidates for the loss's
+    denominator, one constant for the whole step. Summed, not taken from `trainer.batch_size`:
+    ranks get whole groups, and a group with a branched episode holds more samples."""
+    counts = torch.tensor([float(sum(len(g.samples) for g in groups)),
+                           float(sum(b.num_tokens for b in batches))], dtype=torch.float64,
                           device=device)
     if dist.is_initialized():
-        dist.all_reduce(tokens)
-    return max(1.0, tokens.item())
+        dist.all_reduce(counts)
+    samples, tokens = counts.tolist()
+    return int(samples), int(tokens)
 
 
 def _policy_loss(loss_cfg: LossConfig, new_lp: torch.Tensor, batch: PackedBatch,
