@@ -578,26 +578,29 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
     model.train()
     log(f"  packed vs unpacked log-prob max diff: {res['packing_max_diff']:.2e} (sdpa, fp32), "
         f"{res['packing_max_diff_per_sequence_bf16']:.2e} (per_sequence, bf16)")
-    variants = [("fp32", 256, False, False, "sdpa"), ("fp32", 1024, False, False, "sdpa"),
-                ("fp32", 4096, False, False, "sdpa"), ("tf32", 4096, True, False, "sdpa"),
-                ("bf16 autocast", 4096, True, True, "sdpa"),
-                ("bf16 autocast", 4096, True, True, "per_sequence")]
+    # (name, row tokens, trainer.precision, attention): the precision goes through the config,
+    # as the trainer sets it (an autocast around rl_step would be switched off inside it by
+    # precision=float32's disabled autocast: the GPU run of 2026-11-28 timed fp32 as "bf16").
+    variants = [("fp32", 256, "float32", "sdpa"), ("fp32", 1024, "float32", "sdpa"),
+                ("fp32", 4096, "float32", "sdpa"), ("tf32", 4096, "tf32", "sdpa"),
+                ("bf16", 4096, "bfloat16", "sdpa"), ("bf16", 4096, "bfloat16", "per_sequence")]
+    if dev.type != "cuda":  # TF32 is a tensor-core format
+        variants = [v for v in variants if v[2] != "tf32"]
     if ctx.brief:  # the trainer's own settings on CUDA, and the tf32 figure of the last GPU run
         variants = variants[-3::2]
-    for name, rows, tf32, autocast, attention in variants:
+    for name, rows, precision, attention in variants:
+        model.set_attn_implementation(attention)
         if attention == "per_sequence":
-            use_per_sequence_attention(model)
             name = f"{name} per_sequence"
-        cfg = Config.model_validate({"trainer": {"batch_size": batch, "max_tokens_per_row": rows},
+        cfg = Config.model_validate({"trainer": {"batch_size": batch, "max_tokens_per_row": rows,
+                                                 "precision": precision, "device": str(dev)},
                                      "actor": {"group_size": group_size}})
         optimizer = make_optimizer(model, cfg.trainer)  # the trainer's own (fused on CUDA)
-        torch.backends.cuda.matmul.allow_tf32 = tf32
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         times, tokens, metrics = [], 0, {}
         for i, groups in enumerate(batches):
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                s, metrics = timed(ctx, lambda: rl_step(model, optimizer, groups, cfg, trainer_version=0))
+            s, metrics = timed(ctx, lambda: rl_step(model, optimizer, groups, cfg, trainer_version=0))
             if i:  # the first step warms up allocator and kernels
                 times.append(s)
                 tokens += metrics["input_tokens"]
@@ -611,7 +614,6 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
         log(f"  trainer {name} rows {rows}: {entry}")
         del optimizer
     model.set_attn_implementation("sdpa")
-    torch.backends.cuda.matmul.allow_tf32 = False
     return res
 
 
