@@ -2,14 +2,17 @@
 # Issue 35's GPU measurements in one call on a lent H100/H200 (../shared/GPU.md), in three steps:
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare
-#                  wheels the GPU machine lacks (cp312) and SmolLM2's GGUF in two parts, under
-#                  gpu_carry/ (git-ignored; a device call carries at most 64 MiB)
+#                  wheels the GPU machine lacks (cp312), SmolLM2's GGUF in two parts and the
+#                  code of HEAD (head.tar), under gpu_carry/ (git-ignored; a device call carries
+#                  at most 64 MiB)
 #   device call 1 (carry gpu_carry/part1, a few seconds):  bash benchmarks/gpu_session.sh stage
 #                  leaves the GGUF's first part in /tmp (kept while the machine stays warm: make
 #                  call 2 at once)
 #   device call 2 (carry gpu_carry/part2, timeout_s 580):  bash benchmarks/gpu_session.sh run
 #                  installs the wheels, joins the GGUF, runs `benchmarks/gpu.py --plan issue35`
-#                  (at most 510 s); results in $OUT/gpu.md and $OUT/gpu.json as each check ends
+#                  from HEAD's code (at most 510 s: a commit to name beside the figures, whatever
+#                  the working tree holds); results in $OUT/gpu.md and $OUT/gpu.json as each
+#                  check ends
 set -euo pipefail
 
 CARRY=gpu_carry
@@ -30,6 +33,8 @@ case "${1:-}" in
     head -c "$half" "$GGUF" > "$CARRY/part1/smol.gguf.a"
     tail -c +"$((half + 1))" "$GGUF" > "$CARRY/part2/smol.gguf.b"
     sha256sum "$GGUF" | cut -d' ' -f1 > "$CARRY/part2/smol.gguf.sha256"
+    git archive --format=tar -o "$CARRY/part2/head.tar" HEAD src examples benchmarks/gpu.py
+    git rev-parse --short HEAD > "$CARRY/part2/head.commit"
     du -sh "$CARRY"/part1 "$CARRY"/part2
     ;;
   stage)
@@ -40,8 +45,11 @@ case "${1:-}" in
     cat /tmp/smol.gguf.a "$CARRY/part2/smol.gguf.b" > /tmp/smol.gguf
     echo "$(cat "$CARRY/part2/smol.gguf.sha256")  /tmp/smol.gguf" | sha256sum --check
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    PYTHONPATH="src:/tmp/site" python benchmarks/gpu.py --plan issue35 --gguf /tmp/smol.gguf \
-      --out "${OUT:-gpu-out}"
+    echo "code: $(cat "$CARRY/part2/head.commit")"
+    out=$(realpath -m "${OUT:-gpu-out}")
+    rm -rf /tmp/head && mkdir -p /tmp/head && tar -xf "$CARRY/part2/head.tar" -C /tmp/head
+    cd /tmp/head && PYTHONPATH="src:/tmp/site" python benchmarks/gpu.py --plan issue35 \
+      --gguf /tmp/smol.gguf --out "$out"
     ;;
   *)
     echo "usage: $0 prepare | stage | run   (see the comment at the top)" >&2; exit 2
