@@ -317,11 +317,11 @@ def _step_counts(groups: list[Group], batches: list[PackedBatch], device: torch.
     tokens, summed over every rank before any backward: the candidates for the loss's
     denominator, one constant for the whole step. Summed, not taken from `trainer.batch_size`:
     ranks get whole groups, and a group with a branched episode holds more samples."""
-    counts = torch.tensor([float(sum(len(g.samples) for g in groups)),
-                           float(sum(b.num_tokens for b in batches))], dtype=torch.float64,
-                          device=device)
-    if dist.is_initialized():
-        dist.all_reduce(counts)
+    samples, tokens = sum(len(g.samples) for g in groups), sum(b.num_tokens for b in batches)
+    if not dist.is_initialized():  # host ints: no device round trip (a GPU sync) for one rank
+        return samples, tokens
+    counts = torch.tensor([float(samples), float(tokens)], dtype=torch.float64, device=device)
+    dist.all_reduce(counts)
     samples, tokens = counts.tolist()
     return int(samples), int(tokens)
 
