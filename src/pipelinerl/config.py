@@ -257,6 +257,10 @@ class SyncConfig(_Section):
     init_method: str = ""  # broadcast: tcp://host:port of trainer rank 0's store
     bucket_mb: float = Field(default=64.0, gt=0)
     timeout_s: float = Field(default=120.0, gt=0)
+    # broadcast: the network interface the weight group uses (e.g. eth0); empty: the one that
+    # routes to init_method's host (docs/multinode.md). GLOO_/NCCL_SOCKET_IFNAME take precedence.
+    interface: str = Field(default="", pattern=r"^[^\s/,]{0,15}$",
+                           description="an interface name (at most 15 characters)")
 
 
 class EvalConfig(_Section):

@@ -20,6 +20,12 @@ Store keys (all small strings):
                 member has it), "retry" (a member was lost mid-transfer; join epoch k + 1 and
                 receive v again) or "abort: <why>"
 
+Network: each member advertises an address for the others to connect to. gloo's default is
+the address the host name resolves to, loopback on many Linux machines; with the store on
+another machine that address cannot be reached, so the interface that routes to the store's
+host is used instead (`netaddr.choose_interface`: `interface` / sync.interface overrides it,
+and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in the environment are left to torch and NCCL).
+
 Rendezvous: every rank sets `peer/<r>` and waits (up to `rendezvous_timeout_s`, by default
 `timeout_s`; actors loading a large model may need longer) for all the others', naming the
 ranks still missing if they do not come; only then is the process group built, so its own
@@ -86,6 +92,7 @@ unpacked) while the other is on the wire.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -99,6 +106,7 @@ import torch.distributed as dist
 
 from pipelinerl.sync.base import Weights, open_weights
 from pipelinerl.sync.layout import WeightLayout
+from pipelinerl.sync.netaddr import ENV_VARS, choose_interface
 
 logger = logging.getLogger(__name__)
 
@@ -158,16 +166,22 @@ def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float,
 
 
 def _make_group(store: dist.Store, rank: int, world: int, backend: str,
-                timeout_s: float, epoch: int) -> _Group:
+                timeout_s: float, epoch: int, interface: str | None) -> _Group:
     # Built directly rather than through init_process_group so that the trainer's own default
     # group (DDP/FSDP over trainer ranks) is left alone. Each epoch's group meets under its own
     # prefix: the keys of an earlier one would mislead its rendezvous.
     prefix = dist.PrefixStore(f"pg{epoch}", store)
-    if backend == "nccl":
+    if backend == "nccl":  # NCCL takes its interface from NCCL_SOCKET_IFNAME (_Channel)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(prefix, rank, world, opts)
-    return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
+    if interface is None:  # gloo's default: GLOO_SOCKET_IFNAME, else the host name's address
+        return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
+    gloo_opts = dist.ProcessGroupGloo._Options()
+    gloo_opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+    gloo_opts._timeout = timedelta(seconds=timeout_s)
+    gloo_opts._threads = 2  # as gloo's default constructor gives one device
+    return dist.ProcessGroupGloo(prefix, rank, world, gloo_opts)
 
 
 @dataclass(frozen=True)
@@ -204,11 +218,20 @@ class _Channel:
     """What sender and receiver share: the store, the group, timing."""
 
     def __init__(self, init_method: str, rank: int, world: int, device: torch.device | str,
-                 timeout_s: float, rendezvous_timeout_s: float | None):
+                 timeout_s: float, rendezvous_timeout_s: float | None, interface: str):
         self.host, self.port = _parse_init_method(init_method)
         self.rank, self.world = rank, world
         self.device = torch.device(device)
         self.backend = _backend_for(self.device)
+        # Decided before anything waits on the network: an undecidable one stops the role now.
+        choice = choose_interface(self.host, self.backend, interface)
+        self.interface = choice.interface
+        if self.interface is not None and self.backend == "nccl":
+            # NCCL_SOCKET_IFNAME was unset (choose_interface); NCCL reads it at the process's
+            # first communicator.
+            os.environ[ENV_VARS["nccl"]] = self.interface
+        logger.info("%s: weight group interface %s (%s)", _describe(rank),
+                    self.interface or "left to torch", choice.reason)
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self.rendezvous_timeout_s = (
@@ -299,10 +322,11 @@ class BroadcastWeightSender(_Channel):
 
     def __init__(self, init_method: str, n_actors: int, device: torch.device | str = "cpu",
                  bucket_mb: float = 64.0, per_parameter: bool = False, timeout_s: float = 120.0,
-                 rendezvous_timeout_s: float | None = None):
+                 rendezvous_timeout_s: float | None = None, interface: str = ""):
         if n_actors < 1:
             raise ValueError(f"n_actors must be >= 1, got {n_actors}")
-        super().__init__(init_method, 0, 1 + n_actors, device, timeout_s, rendezvous_timeout_s)
+        super().__init__(init_method, 0, 1 + n_actors, device, timeout_s, rendezvous_timeout_s,
+                         interface)
         wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.bucket_bytes = max(_ALIGN, int(bucket_mb * 2**20) // _ALIGN * _ALIGN)
         self.per_parameter = per_parameter
@@ -331,7 +355,7 @@ class BroadcastWeightSender(_Channel):
         _await_peers(self.store, list(range(1, self.world)), 0, self.rendezvous_timeout_s,
                      self.epoch)
         self.group = _make_group(self.store, 0, self.world, self.backend, self.timeout_s,
-                                 self.epoch)
+                                 self.epoch, self.interface)
 
     def _regroup(self, version: int) -> None:
         """A restarted receiver asked to join: form the group again under a new epoch; the
@@ -516,13 +540,14 @@ class BroadcastWeightReceiver(_Channel):
 
     def __init__(self, init_method: str, actor_id: int, n_actors: int,
                  device: torch.device | str = "cpu", timeout_s: float = 120.0,
-                 rendezvous_timeout_s: float | None = None, may_rejoin: bool = False):
+                 rendezvous_timeout_s: float | None = None, may_rejoin: bool = False,
+                 interface: str = ""):
         """`may_rejoin`: this process continues an earlier one of its actor (a restart), so
         its rank may have joined before; it then asks the trainer to form the group again."""
         if not 0 <= actor_id < n_actors:
             raise ValueError(f"actor_id must be in [0, {n_actors}), got {actor_id}")
         super().__init__(init_method, actor_id + 1, 1 + n_actors, device, timeout_s,
-                         rendezvous_timeout_s)
+                         rendezvous_timeout_s, interface)
         wait = timedelta(seconds=self.rendezvous_timeout_s)
         self.last_version: int | None = None
         self.closed = False
@@ -577,7 +602,7 @@ class BroadcastWeightReceiver(_Channel):
         others = [r for r in range(self.world) if r != self.rank]
         _await_peers(self.store, others, self.rank, self.rendezvous_timeout_s, epoch)
         self.group = _make_group(self.store, self.rank, self.world, self.backend,
-                                 self.timeout_s, epoch)
+                                 self.timeout_s, epoch, self.interface)
 
     def _report(self, state: str) -> None:
         assert self.store is not None

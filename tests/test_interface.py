@@ -1,0 +1,201 @@
+"""The weight group's network interface (sync/netaddr.py): chosen where the host name resolves
+to loopback, across two network namespaces joined by a veth pair (issue 45, failure 1).
+
+The namespace tests need root and iproute2; elsewhere they are skipped with the reason. Their
+traffic stays inside the namespaces they create (10.200.x.0/24) and on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipelinerl.sync.netaddr import choose_interface, interface_addresses, route_interface
+
+_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+# ---- on this machine -----------------------------------------------------------------------
+
+
+def test_broadcast_interface_on_loopback_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in _IFNAME_VARS:
+        monkeypatch.delenv(var, raising=False)
+    choice = choose_interface("127.0.0.1", "gloo")
+    assert choice.interface is None and "loopback" in choice.reason
+    assert choose_interface("localhost", "nccl").interface is None
+
+
+def test_broadcast_interface_variables_and_key_take_precedence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    lo = route_interface("127.0.0.1")
+    assert "127.0.0.1" in {str(a) for a in interface_addresses()[lo]}
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert choose_interface("127.0.0.1", "gloo", configured=lo).interface == lo
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", lo)  # the user's variable: left to torch
+    choice = choose_interface("127.0.0.1", "gloo", configured=lo)
+    assert choice.interface is None and "GLOO_SOCKET_IFNAME" in choice.reason
+
+
+def test_broadcast_interface_unknown_key_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with pytest.raises(RuntimeError, match="sync.interface=nosuchif0: no such interface"):
+        choose_interface("127.0.0.1", "gloo", configured="nosuchif0")
+
+
+# ---- across network namespaces -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Two namespaces joined by a veth pair: `a` holds `a_if` at `a_ip`, `b` holds `b_if`."""
+
+    a: str
+    b: str
+    a_if: str
+    b_if: str
+    a_ip: str
+    b_ip: str
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def netns_pair() -> Iterator[_Pair]:
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip` to make network namespaces")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    x = random.randint(1, 254)  # a subnet of its own per test: concurrent runs do not clash
+    pair = _Pair(f"plt-{tag}-a", f"plt-{tag}-b", f"plv{tag}a", f"plv{tag}b",
+                 f"10.200.{x}.1", f"10.200.{x}.2")
+    made: list[str] = []
+    try:
+        for ns in (pair.a, pair.b):
+            try:
+                _ip("netns", "add", ns)
+            except subprocess.CalledProcessError as e:
+                pytest.skip(f"cannot make a network namespace: {e.stderr.decode().strip()}")
+            made.append(ns)
+            # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: the host name maps
+            # to loopback as Debian's /etc/hosts has it, whatever this machine's says.
+            hosts = Path("/etc/netns") / ns / "hosts"
+            hosts.parent.mkdir(parents=True)
+            hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {os.uname().nodename}\n")
+        _ip("link", "add", pair.a_if, "netns", pair.a, "type", "veth",
+            "peer", "name", pair.b_if, "netns", pair.b)
+        for ns, ifname, addr in ((pair.a, pair.a_if, pair.a_ip), (pair.b, pair.b_if, pair.b_ip)):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield pair
+    finally:
+        for ns in made:  # the veth pair goes with its namespaces
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+def _in_ns(ns: str, code: str) -> subprocess.Popen[str]:
+    """`python -c code` in namespace `ns`, with no interface variable set."""
+    env = {k: v for k, v in os.environ.items() if k not in _IFNAME_VARS}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c",
+                             textwrap.dedent(code)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _output(p: subprocess.Popen[str], timeout: float = 120) -> str:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"timed out; stdout: {out}\nstderr: {err}") from None
+    assert p.returncode == 0, f"exit {p.returncode}; stdout: {out}\nstderr: {err}"
+    return out
+
+
+def test_broadcast_interface_is_the_veth_that_routes_to_the_store(netns_pair: _Pair) -> None:
+    out = _output(_in_ns(netns_pair.b, f"""
+        import socket
+        from pipelinerl.sync.netaddr import choose_interface, route_interface
+        print(socket.gethostbyname(socket.gethostname()))
+        print(route_interface("{netns_pair.a_ip}"), route_interface("127.0.0.1"))
+        for host in ("{netns_pair.a_ip}", "{netns_pair.b_ip}", "127.0.0.1"):
+            print(choose_interface(host, "gloo").interface)
+        try:  # no route leaves the namespace: nothing to choose, a clear stop
+            choose_interface("10.201.0.1", "nccl")
+        except RuntimeError as e:
+            print(e)
+    """)).splitlines()
+    assert out[0] == "127.0.1.1"  # what gloo would advertise by default
+    assert out[1].split() == [netns_pair.b_if, "lo"]
+    # The peer's store, its own (a trainer hosting it) and one on loopback.
+    assert out[2:5] == [netns_pair.b_if, netns_pair.b_if, "None"]
+    assert "no route to the weight store's host 10.201.0.1" in out[5]
+    for name in ("sync.interface", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        assert name in out[5]
+
+
+_SENDER = """
+    import logging, torch
+    from pipelinerl.sync import BroadcastWeightSender
+    logging.basicConfig(level=logging.INFO)
+    s = BroadcastWeightSender("tcp://{ip}:29531", n_actors=1, timeout_s=30,
+                              rendezvous_timeout_s=60)
+    s.publish({{"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}}, 1)
+    s.close()
+    print("sent", s.interface)
+"""
+
+_RECEIVER = """
+    import logging, time, torch
+    from pipelinerl.sync import BroadcastWeightReceiver
+    logging.basicConfig(level=logging.INFO)
+    r = BroadcastWeightReceiver("tcp://{ip}:29531", 0, 1, timeout_s=30, rendezvous_timeout_s=60)
+    deadline = time.monotonic() + 60
+    while r.poll() is None:
+        assert time.monotonic() < deadline, "version 1 never announced"
+        time.sleep(0.01)
+    w = torch.zeros(3, 4)
+    assert r.receive_into({{"w": w}}) == 1
+    while not r.closed:
+        r.poll()
+        time.sleep(0.01)
+    r.close()
+    print("received", w.flatten().tolist(), r.interface)
+"""
+
+
+@pytest.mark.slow
+def test_broadcast_weights_cross_namespaces_with_no_interface_variable(
+        netns_pair: _Pair) -> None:
+    """The regression test of issue 45's failure 1: with the host name on loopback, gloo
+    advertised 127.0.0.1 and the actor died in connectFullMesh."""
+    sender = _in_ns(netns_pair.a, _SENDER.format(ip=netns_pair.a_ip))
+    receiver = _in_ns(netns_pair.b, _RECEIVER.format(ip=netns_pair.a_ip))
+    try:
+        got = _output(receiver)
+        sent = _output(sender)
+    finally:
+        for p in (sender, receiver):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sent.split() == ["sent", netns_pair.a_if]
+    assert got.startswith(f"received {[float(i) for i in range(12)]}")
+    assert got.split()[-1] == netns_pair.b_if
