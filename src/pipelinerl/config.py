@@ -305,6 +305,11 @@ class MetricsConfig(_Section):
     wandb_project: str = "pipelinerl"
     plot: bool = True
     progress: bool = True
+    # samples.jsonl (pipelinerl.samples, docs/viewing.md): the groups of each step whose text
+    # and per-token provenance the trainer records (the first of rank 0's); 0: off, -1: all.
+    samples_per_step: int = Field(default=2, ge=-1)
+    # Its bound on disk: past half of it the file rolls on to samples.1.jsonl (the older goes).
+    samples_max_mb: float = Field(default=64.0, gt=0)
 
 
 class Config(_Section):

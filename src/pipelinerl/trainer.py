@@ -59,6 +59,7 @@ from pipelinerl.roles import (
     write_stop,
     write_stop_unwinding,
 )
+from pipelinerl.samples import SampleRecord, open_record
 from pipelinerl.streams import Writer
 from pipelinerl.sync.base import CastWeights, RejoinableSender, WeightSender
 from pipelinerl.types import Group, Sample
@@ -98,6 +99,7 @@ class TrainerRun:
     control: Writer | None  # the control stream: places given back, the stop record
     evals: EvalResults | None  # the evaluator's results (eval.enabled)
     stop_written: bool = False
+    samples: SampleRecord | None = None  # samples.jsonl (metrics.samples_per_step > 0)
 
     @classmethod
     def setup(cls, cfg: Config) -> TrainerRun:
@@ -124,11 +126,13 @@ class TrainerRun:
             resume_attempt(cfg, trainer, checkpoint, evals, publish=is_main or sharded)
         due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
                             trainer.step)
+        samples = (open_record(cfg.run_dir, cfg.metrics, tokenizer, resume_step) if is_main
+                   else None)
         return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, sharded=sharded,
                    trainer=trainer, tokenizer=tokenizer, due=due,
                    bar=progress_bar(cfg, enabled=cfg.metrics.progress and is_main),
                    batches=trainer.batches() if is_main else None, metrics=metrics,
-                   trained_log=trained_log, control=control, evals=evals)
+                   trained_log=trained_log, control=control, evals=evals, samples=samples)
 
     @property
     def is_main(self) -> bool:
@@ -150,10 +154,14 @@ class TrainerRun:
                 if self.is_main:  # groups dropped meanwhile are recorded, though no step follows
                     self.write_trained([])
                 break
-            metrics = trainer.train_step(shard)
+            keep = self.samples.groups_to_keep(len(shard)) if self.samples is not None else 0
+            metrics = trainer.train_step(shard, keep_groups=keep)
+            scored = metrics.pop("scored", None)
             if self.sharded or self.is_main:
                 trainer.maybe_publish()
             record = self.record_step(groups, metrics) if self.is_main else None
+            if self.samples is not None and scored is not None:
+                self.samples.write(trainer.step, trainer.step - 1, shard[:keep], scored)
             self.checkpoint_if_due()  # after the step's records, which a resume from it keeps
             if record is not None:
                 self.report_step(record)
@@ -243,6 +251,8 @@ class TrainerRun:
                 self.evals.reader.close()
             self.metrics.close()
             self.trained_log.close()
+            if self.samples is not None:
+                self.samples.close()
             if self.trainer.sender is not None:
                 self.trainer.sender.close()
         if dist.is_initialized():
@@ -412,13 +422,17 @@ class Trainer:
             for i in range(round_steps):
                 yield round_groups[i * n_groups:(i + 1) * n_groups]
 
-    def train_step(self, groups: list[Group], num_sequences: int | None = None) -> dict[str, Any]:
+    def train_step(self, groups: list[Group], num_sequences: int | None = None,
+                   keep_groups: int = 0) -> dict[str, Any]:
         """One optimizer step on `groups`, this rank's shard of a step of `num_sequences`
         samples (None: counted over the ranks; an episode's branches are a sample each, so a
-        step may hold more than trainer.batch_size, and `samples_trained` counts them all)."""
+        step may hold more than trainer.batch_size, and `samples_trained` counts them all).
+        `keep_groups`: the first so many groups' `scored` samples come back (rl_step)."""
         t0 = time.monotonic()
+        # The keyword only when used: stand-ins for rl_step keep its older signature.
+        keep = {"keep_groups": keep_groups} if keep_groups else {}
         metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
-                          num_sequences=num_sequences, ref_model=self.ref_model)
+                          num_sequences=num_sequences, ref_model=self.ref_model, **keep)
         self.scheduler.step()
         self.compute_s += time.monotonic() - t0
         self.step += 1

@@ -28,6 +28,7 @@ from pipelinerl.rl.losses import (
     tis_clip_active,
 )
 from pipelinerl.rl.packing import PackedBatch, TokenScores, pack, pad, score_tokens
+from pipelinerl.samples import Capture
 from pipelinerl.types import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def rl_step(
     trainer_version: int,
     num_sequences: int | None = None,
     ref_model: torch.nn.Module | None = None,
+    keep_groups: int = 0,
 ) -> dict[str, Any]:
     """Advantages, micro-batched loss and backward, gradient clipping, optimizer step.
 
@@ -55,11 +57,13 @@ def rl_step(
     busiest: each pass gathers weights). `ref_model`: the frozen reference of
     `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics: loss, grad
     norm, `samples` (B), and `LossStats` (ESS, lag, mismatch) over every trained token of
-    every rank.
+    every rank. `keep_groups`: the first so many of `groups` come back as `scored`, what the
+    step computed for each of their samples (`pipelinerl.samples.Capture`, one copy to the host).
     The forward and backward run in `trainer.precision`.
     """
     with arithmetic(cfg.trainer.precision, next(model.parameters()).device):
-        return _step(model, optimizer, groups, cfg, trainer_version, num_sequences, ref_model)
+        return _step(model, optimizer, groups, cfg, trainer_version, num_sequences, ref_model,
+                     keep_groups)
 
 
 @contextlib.contextmanager
@@ -80,7 +84,7 @@ def arithmetic(precision: str, device: torch.device) -> Iterator[None]:
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[Group],
           cfg: Config, trainer_version: int, num_sequences: int | None,
-          ref_model: torch.nn.Module | None) -> dict[str, Any]:
+          ref_model: torch.nn.Module | None, keep_groups: int) -> dict[str, Any]:
     tc = cfg.trainer
     loss_cfg = tc.loss
     if loss_cfg.kl_coef > 0 and ref_model is None:
@@ -89,6 +93,11 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
     scoring = _scoring(cfg.engine)
     device = next(model.parameters()).device
     batches, trained = _batches_with_advantages(model, groups, tc, scoring, device)
+    capture = None
+    if keep_groups:
+        samples = [s for g in groups for s in g.samples]
+        capture = Capture([s for g in groups[:keep_groups] for s in g.samples],
+                          _trained_indices(samples, loss_cfg))
     if loss_cfg.kind == "reinforce":
         clip_active = tis_clip_active(loss_cfg.is_clip)
     else:
@@ -134,6 +143,8 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
         input_tokens += batch.num_input_tokens
         if loss_cfg.ess_lr_scale:
             _add_log_weights(step_log_weights, batch, new_lp)
+        if capture is not None:
+            capture.add(batches[i], new_lp)  # the host batch: its seq_idx read without a sync
         stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
                   clip_active, entropy=scores.entropy, context_versions=batch.context_versions,
                   bins=bins[batch.seq_idx])
@@ -169,6 +180,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
         **({"is_mask_frac": totals["is_masked"] / tokens} if loss_cfg.is_mask is not None else {}),
         **({"kl_ref": totals["kl_ref"] / tokens} if loss_cfg.kl_coef > 0 else {}),
         **({"vcpo_lr_scale": lr_scale} if loss_cfg.ess_lr_scale else {}),
+        **({"scored": capture.scored()} if capture is not None else {}),
     }
 
 

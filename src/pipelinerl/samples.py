@@ -1,0 +1,189 @@
+"""The trainer's record of what it trained: `<run_dir>/samples.jsonl`, one JSON line per
+recorded group (`metrics.samples_per_step` groups of each step), with its text and, per
+token, the provenance the step used: the policy version, the lag, the engine's and the
+trainer's log-prob, the importance weight and whether the token was trained.
+
+What the step computed comes from `rl.step.rl_step(keep_groups=n)`: a `Capture` keeps the
+micro-batches that hold a recorded sample's tokens, their new log-probs on the device, and
+reads them back in one copy after the step's loop; other micro-batches cost nothing.
+
+Bounded on disk as the streams are: past half of `metrics.samples_max_mb` the file rolls on to
+`samples.1.jsonl` (replacing the one before), so the newest steps are kept and the two files
+stay within the bound. A resumed run cuts both back to the checkpoint's step (`open`), so no
+step repeats. Readers: `read_samples`. Layout of a line: docs/viewing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from pipelinerl.config import MetricsConfig
+from pipelinerl.records import read_rows
+from pipelinerl.rl.packing import PackedBatch
+from pipelinerl.types import ENV_VERSION, Group, Sample
+
+SAMPLES = "samples.jsonl"
+ROLLED = "samples.1.jsonl"
+_DIGITS = 6  # decimals of log-probs, significant digits of weights: far below their noise
+
+
+@dataclass
+class Scored:
+    """What the step computed for one recorded sample: its advantage and, per completion
+    token, the trainer's log-prob (None: not trained, an environment's token or a sample
+    without trained tokens); advantage None when none of its tokens trained."""
+
+    advantage: float | None
+    logprobs: list[float | None]
+
+
+@dataclass
+class Capture:
+    """The recorded samples' share of a step: `recorded` are the first samples of the step's
+    flattened groups, `trained` the indices (into those flattened samples) of the samples the
+    step trains, in the order the micro-batches' `seq_idx` numbers them."""
+
+    recorded: list[Sample]
+    trained: list[int]
+    _parts: list[tuple[PackedBatch, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # The recorded samples come first, so theirs are the seq_idx below this.
+        self._n = sum(i < len(self.recorded) for i in self.trained)
+
+    def add(self, batch: PackedBatch, new_lp: torch.Tensor) -> None:
+        """A micro-batch (its host copy) and its new log-probs (kept on the device, no copy)."""
+        if bool((batch.seq_idx < self._n).any()):  # host tensor: no device sync
+            self._parts.append((batch, new_lp.detach()))
+
+    def scored(self) -> list[Scored]:
+        """Per recorded sample, what the step computed; one device-to-host copy."""
+        got: dict[int, tuple[float, list[float]]] = {}
+        if self._parts:
+            lps = torch.cat([lp for _, lp in self._parts]).float().cpu().tolist()
+            seq = torch.cat([b.seq_idx for b, _ in self._parts]).tolist()
+            adv = torch.cat([b.advantages for b, _ in self._parts]).tolist()
+            # A sequence's tokens sit in one micro-batch, in completion order.
+            for s, a, lp in zip(seq, adv, lps):
+                if s < self._n:
+                    got.setdefault(self.trained[s], (a, []))[1].append(lp)
+        return [_spread(sample, got.get(i)) for i, sample in enumerate(self.recorded)]
+
+
+def _spread(sample: Sample, got: tuple[float, list[float]] | None) -> Scored:
+    """The trained tokens' log-probs laid over the completion (None on untrained tokens)."""
+    n = len(sample.token_ids)
+    if got is None:
+        return Scored(None, [None] * n)
+    mask = sample.model_mask if sample.model_mask is not None else [True] * n
+    values = iter(got[1])
+    return Scored(got[0], [next(values) if m else None for m in mask])
+
+
+def _num(x: float | None) -> float | None:
+    """Rounded; None for None or a non-finite value (JSON has neither NaN nor inf)."""
+    return round(x, _DIGITS) if x is not None and math.isfinite(x) else None
+
+
+def _weight(trainer: float | None, engine: float | None) -> float | None:
+    """exp(trainer - engine) to `_DIGITS` significant digits; None unless both exist."""
+    if trainer is None or engine is None:
+        return None
+    w = math.exp(min(trainer - engine, 700.0))  # 700: the largest exp stays a float
+    return float(f"{w:.{_DIGITS}g}") if math.isfinite(w) else None
+
+
+def group_row(step: int, version: int, group: Group, scored: list[Scored],
+              tokenizer: Any) -> dict[str, Any]:
+    """One line of samples.jsonl: `group` as trained at `step` by the weights of `version`."""
+    pieces = tokenizer.batch_decode([[t] for s in group.samples for t in s.token_ids])
+    samples, at = [], 0
+    for s, sc in zip(group.samples, scored):
+        n = len(s.token_ids)
+        engine = [lp if v != ENV_VERSION else None for lp, v in zip(s.logprobs, s.versions)]
+        samples.append({
+            "completion": tokenizer.decode(s.token_ids),
+            "reward": s.reward, "success": s.success, "advantage": _num(sc.advantage),
+            "finish_reason": s.finish_reason, "length": n, "turns": s.turns,
+            "episode": s.episode, "actor_id": s.actor_id,
+            "tokens": {
+                "text": pieces[at:at + n],
+                "version": s.versions,
+                "lag": [version - v if v != ENV_VERSION else None for v in s.versions],
+                "engine_logprob": [_num(lp) for lp in engine],
+                "trainer_logprob": [_num(lp) for lp in sc.logprobs],
+                "importance_weight": [_weight(t, e) for t, e in zip(sc.logprobs, engine)],
+                "mask": [int(lp is not None) for lp in sc.logprobs],
+            },
+        })
+        at += n
+    prompt_ids = group.samples[0].prompt_ids if group.samples else []
+    return {"step": step, "version": version, "group_id": group.group_id,
+            "problem": group.prompt, "prompt": tokenizer.decode(prompt_ids), "samples": samples}
+
+
+class SampleRecord:
+    """Rank 0's samples.jsonl writer."""
+
+    def __init__(self, run_dir: Path, cfg: MetricsConfig, tokenizer: Any,
+                 resume_step: int | None) -> None:
+        """`resume_step`: a resumed run keeps the lines of steps up to it and appends."""
+        self.path, self.rolled = run_dir / SAMPLES, run_dir / ROLLED
+        self.per_step = cfg.samples_per_step
+        self.roll_bytes = int(cfg.samples_max_mb * 2**20) // 2
+        self.tokenizer = tokenizer
+        if resume_step is not None:
+            for path in (self.rolled, self.path):
+                _cut(path, resume_step)
+        self._file: IO[str] = self.path.open("a" if resume_step is not None else "w")
+
+    def groups_to_keep(self, n_groups: int) -> int:
+        """How many of a step's `n_groups` (rank 0's) to record: the first so many."""
+        return n_groups if self.per_step < 0 else min(self.per_step, n_groups)
+
+    def write(self, step: int, version: int, groups: list[Group], scored: list[Scored]) -> None:
+        """The lines of `groups` (`scored`: their samples', flattened, as `Capture` gives)."""
+        at = 0
+        for group in groups:
+            n = len(group.samples)
+            row = group_row(step, version, group, scored[at:at + n], self.tokenizer)
+            self._file.write(json.dumps(row) + "\n")
+            at += n
+        self._file.flush()  # a reader (the viewer) sees whole steps
+        if self._file.tell() >= self.roll_bytes:
+            self._file.close()
+            self.path.replace(self.rolled)
+            self._file = self.path.open("w")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def open_record(run_dir: Path, cfg: MetricsConfig, tokenizer: Any, resume_step: int | None
+                ) -> SampleRecord | None:
+    """Rank 0's record, None when `metrics.samples_per_step` is 0 (off)."""
+    if not cfg.samples_per_step:
+        return None
+    return SampleRecord(run_dir, cfg, tokenizer, resume_step)
+
+
+def _cut(path: Path, step: int) -> None:
+    """`path` without its lines of steps after `step` (or cut by a crash), replaced atomically."""
+    if not path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in read_rows(path) if row["step"] <= step)
+    tmp.replace(path)
+
+
+def read_samples(run_dir: Path) -> list[dict[str, Any]]:
+    """The recorded groups still on disk, oldest first."""
+    paths = [run_dir / ROLLED, run_dir / SAMPLES]
+    return [row for path in paths if path.exists() for row in read_rows(path)]

@@ -1,0 +1,226 @@
+"""samples.jsonl (pipelinerl.samples): what the trainer records of the groups it trains, through
+the trainer's own loop (`TrainerRun.train`) on a tiny model, checked against what the step
+computes; off at 0, bounded on disk, and continued without repeats by a resumed run."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import torch
+
+from pipelinerl.config import Config, load_config
+from pipelinerl.models.tiny import build_char_tokenizer
+from pipelinerl.rl.advantages import groups_advantages
+from pipelinerl.rl.packing import pack, score_tokens
+from pipelinerl.rl.step import _scoring
+from pipelinerl.samples import SAMPLES, SampleRecord, open_record, read_samples
+from pipelinerl.trainer import Trainer, TrainerRun, progress_bar
+from pipelinerl.types import ENV_VERSION, Group, Sample
+from tiny_models import VOCAB, tiny_hf_model
+
+torch.set_num_threads(1)
+
+GROUP = 4
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRST"  # 4 specials + 46 = VOCAB
+
+
+def tokenizer(tmp_path: Path):
+    tok = build_char_tokenizer(ALPHABET, tmp_path / "tokenizer")
+    assert len(tok) == VOCAB
+    return tok
+
+
+def step_groups(step: int, n_groups: int = 3) -> list[Group]:
+    """Groups of different lengths, sampled by versions up to `step`, with made-up engine
+    log-probs; group 0 holds an empty completion and a multi-turn sample (environment tokens
+    in its middle, not trained)."""
+    g = torch.Generator().manual_seed(100 + step)
+    groups = []
+    for p in range(n_groups):
+        prompt = torch.randint(4, VOCAB, (3,), generator=g).tolist()
+        samples = []
+        for j in range(GROUP):
+            n = 2 + 3 * j + p
+            tokens = torch.randint(4, VOCAB, (n,), generator=g).tolist()
+            old = (-3.0 + 0.8 * torch.randn(n, generator=g)).tolist()
+            versions = torch.randint(max(0, step - 3), step + 1, (n,), generator=g).tolist()
+            samples.append(Sample(prompt, tokens, old, versions, float(j % 2), j % 2 == 1,
+                                  "stop" if j else "length", group_id=f"{step}-{p}"))
+        if p == 0:
+            samples[0] = Sample(prompt, [], [], [], 0.0, False, "stop", group_id=f"{step}-0")
+            mask = [True, True, False, False, True]
+            s = samples[1]
+            samples[1] = Sample(prompt, s.token_ids, [0.0 if not m else lp for m, lp in
+                                                      zip(mask, s.logprobs)],
+                                [v if m else ENV_VERSION for m, v in zip(mask, s.versions)],
+                                s.reward, s.success, "stop", group_id=s.group_id,
+                                model_mask=mask, turns=2)
+        groups.append(Group(f"{step}-{p}", f"problem {step}-{p}", samples))
+    return groups
+
+
+class _Source(SimpleNamespace):
+    """What `TrainerRun.train` reads of rank 0's stream source besides the groups."""
+
+    def __init__(self) -> None:
+        super().__init__(wait_s=0.0, dropped={}, actor_stats={})
+
+    def take_dropped_ids(self) -> dict[str, list[str]]:
+        return {}
+
+
+def config(*overrides: str) -> Config:
+    return load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={3 * GROUP}",
+                                  "trainer.max_tokens_per_row=24", *overrides])
+
+
+def train(cfg: Config, tmp_path: Path, steps: list[list[Group]], start: int = 0,
+          resume_step: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """`TrainerRun.train` over `steps`' groups from trainer step `start`, recording into
+    `tmp_path` as `setup` opens the record; the weights each step started from."""
+    model = tiny_hf_model("qwen2", seed=1).train()
+    trainer = Trainer(cfg, model, source=_Source(), sender=None)
+    trainer.step = start
+    record = open_record(tmp_path, cfg.metrics, tokenizer(tmp_path), resume_step)
+    weights: list[dict[str, torch.Tensor]] = []
+
+    def batches() -> Iterator[list[Group]]:
+        for groups in steps:  # taken just before the step trains on them
+            weights.append({k: v.clone() for k, v in model.state_dict().items()})
+            yield groups
+
+    run = TrainerRun(cfg=cfg, rank=0, world=1, device="cpu", model=model, sharded=False,
+                     trainer=trainer, tokenizer=None, due=lambda step: False,
+                     bar=progress_bar(cfg, enabled=False), batches=batches(),
+                     metrics=SimpleNamespace(log=lambda step, record: None),
+                     trained_log=io.StringIO(), control=None, evals=None, samples=record)
+    run.train()
+    if record is not None:
+        record.close()
+    return weights
+
+
+def expected_logprobs(weights: dict[str, torch.Tensor], cfg: Config, sample: Sample
+                      ) -> list[float]:
+    """score_tokens on the sample alone under `weights`: its trained tokens' log-probs."""
+    model = tiny_hf_model("qwen2", seed=1)
+    model.load_state_dict(weights)
+    (batch,) = pack([sample], torch.zeros(1), 1000)
+    with torch.no_grad():
+        return score_tokens(model, batch, *_scoring(cfg.engine)).logprobs.tolist()
+
+
+def strict_rows(path: Path) -> list[dict]:
+    """Every line parses as JSON, without NaN or infinities."""
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in {path}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_records_what_the_step_computed_for_each_token(tmp_path: Path) -> None:
+    cfg = config("trainer.max_steps=3")
+    steps = [step_groups(step) for step in range(3)]
+    weights = train(cfg, tmp_path, steps)
+    assert any((a != b).any() for a, b in zip(weights[0].values(), weights[-1].values()))
+    rows = strict_rows(tmp_path / SAMPLES)
+    # The default: 2 groups of the 3 of every step, the first ones.
+    assert [(r["step"], r["version"], r["group_id"]) for r in rows] == [
+        (s + 1, s, f"{s}-{p}") for s in range(3) for p in range(2)]
+    for row in rows:
+        version = row["version"]
+        group = steps[version][int(row["group_id"].split("-")[1])]
+        tc = cfg.trainer
+        advantages = groups_advantages([group], tc.advantage.baseline, tc.advantage.std_normalize,
+                                       truncated=tc.loss.truncated,
+                                       truncated_reward=tc.loss.truncated_reward).tolist()
+        assert row["problem"] == group.prompt
+        assert row["prompt"] == "".join(ALPHABET[t - 4] for t in group.samples[0].prompt_ids)
+        assert len(row["samples"]) == GROUP
+        for sample, got, advantage in zip(group.samples, row["samples"], advantages):
+            tokens = got["tokens"]
+            n = len(sample.token_ids)
+            assert got["length"] == n and got["finish_reason"] == sample.finish_reason
+            assert got["reward"] == sample.reward
+            assert tokens["text"] == [ALPHABET[t - 4] for t in sample.token_ids]
+            assert got["completion"] == "".join(tokens["text"])
+            assert tokens["version"] == sample.versions
+            assert tokens["lag"] == [version - v if v != ENV_VERSION else None
+                                     for v in sample.versions]
+            mask = sample.model_mask or [True] * n
+            assert tokens["mask"] == [int(m) for m in mask]
+            if not n:  # nothing trained: no advantage came out of the step
+                assert got["advantage"] is None and tokens["trainer_logprob"] == []
+                continue
+            assert math.isclose(got["advantage"], advantage, abs_tol=1e-5)
+            trained = [lp for lp in tokens["trainer_logprob"] if lp is not None]
+            expected = expected_logprobs(weights[version], cfg, sample)
+            torch.testing.assert_close(torch.tensor(trained), torch.tensor(expected),
+                                       atol=1e-5, rtol=0)
+            for m, t, e, w, old in zip(mask, tokens["trainer_logprob"], tokens["engine_logprob"],
+                                       tokens["importance_weight"], sample.logprobs):
+                if not m:  # an environment's token: no engine log-prob, not trained
+                    assert (t, e, w) == (None, None, None)
+                    continue
+                assert math.isclose(e, old, abs_tol=1e-6)
+                assert math.isclose(w, math.exp(t - e), rel_tol=1e-5)
+
+
+def test_all_groups_when_asked(tmp_path: Path) -> None:
+    cfg = config("trainer.max_steps=2", "metrics.samples_per_step=-1")
+    train(cfg, tmp_path, [step_groups(step) for step in range(2)])
+    assert [(r["step"], r["group_id"]) for r in read_samples(tmp_path)] == [
+        (s + 1, f"{s}-{p}") for s in range(2) for p in range(3)]
+
+
+def test_zero_turns_it_off(tmp_path: Path) -> None:
+    cfg = config("trainer.max_steps=1", "metrics.samples_per_step=0")
+    train(cfg, tmp_path, [step_groups(0)])
+    assert not (tmp_path / SAMPLES).exists()
+
+
+def test_the_step_returns_nothing_more_unless_asked() -> None:
+    from pipelinerl.rl.step import rl_step
+
+    cfg = config()
+    model = tiny_hf_model("qwen2", seed=1).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    assert "scored" not in rl_step(model, optimizer, step_groups(0), cfg, 0)
+    scored = rl_step(model, optimizer, step_groups(0), cfg, 0, keep_groups=1)["scored"]
+    assert len(scored) == GROUP and scored[0].advantage is None
+
+
+def test_a_resumed_run_continues_without_repeats(tmp_path: Path) -> None:
+    """Attempt 0 records steps 1-4 and crashes (a torn last line); the resume from step 2's
+    checkpoint drops what came after it and records steps 3-4 anew."""
+    steps = [step_groups(step) for step in range(4)]
+    train(config("trainer.max_steps=4"), tmp_path, steps)
+    with (tmp_path / SAMPLES).open("a") as f:
+        f.write('{"step": 5, "vers')
+    train(config("trainer.max_steps=4"), tmp_path, steps[2:], start=2, resume_step=2)
+    rows = strict_rows(tmp_path / SAMPLES)
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_bounded_on_disk(tmp_path: Path) -> None:
+    """Past half the bound the file rolls on; the newest steps stay, in order, and the two
+    files hold no more than the bound and one step's lines."""
+    cfg = config("trainer.max_steps=6", "metrics.samples_max_mb=0.02")  # rolls past 10 KiB
+    train(cfg, tmp_path, [step_groups(step) for step in range(6)])
+    files = [tmp_path / "samples.1.jsonl", tmp_path / SAMPLES]
+    assert all(p.exists() for p in files)
+    one_step = max(len(json.dumps(r)) + 1 for r in read_samples(tmp_path)) * 2
+    assert sum(p.stat().st_size for p in files) <= 0.02 * 2**20 + one_step
+    steps = [r["step"] for r in read_samples(tmp_path)]
+    assert steps == sorted(steps) and steps[-1] == 6 and steps[0] > 1
+
+
+def test_record_keeps_the_first_groups(tmp_path: Path) -> None:
+    cfg = config("metrics.samples_per_step=5")
+    record = SampleRecord(tmp_path, cfg.metrics, tokenizer(tmp_path), None)
+    assert (record.groups_to_keep(3), record.groups_to_keep(8)) == (3, 5)
+    record.close()
