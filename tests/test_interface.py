@@ -199,3 +199,20 @@ def test_broadcast_weights_cross_namespaces_with_no_interface_variable(
     assert sent.split() == ["sent", netns_pair.a_if]
     assert got.startswith(f"received {[float(i) for i in range(12)]}")
     assert got.split()[-1] == netns_pair.b_if
+
+
+def test_the_sync_interface_key_reaches_the_roles_weight_channels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sync.interface` from the config (the CLI's override) reaches the trainer's sender and an
+    actor's receiver: an interface that does not exist stops both at start, naming the key."""
+    from pipelinerl.config import load_config
+    from pipelinerl.roles import open_weight_receiver, open_weight_sender
+
+    for name in _IFNAME_VARS:
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config(overrides=["model.path=unused", "sync.backend=broadcast",
+                                 "sync.init_method=tcp://127.0.0.1:1", "sync.interface=nosuch0",
+                                 "run_id=t"])
+    with pytest.raises(RuntimeError, match="sync.interface=nosuch0"):
+        open_weight_sender(cfg)
+    with pytest.raises(RuntimeError, match="sync.interface=nosuch0"):
+        open_weight_receiver(cfg, actor_id=0)

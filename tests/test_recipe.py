@@ -99,7 +99,7 @@ def test_trainer_steps_the_schedule_after_each_step_with_fake_rl_step(monkeypatc
     from pipelinerl.trainer import Trainer
 
     def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
-                     ref_model=None):
+                     ref_model=None, keep_groups=0):
         optimizer.step()
         return {"input_tokens": 0, "samples": num_sequences, "lr": optimizer.param_groups[0]["lr"]}
 
@@ -413,7 +413,7 @@ def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
     seen: list[torch.nn.Module | None] = []
 
     def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
-                     ref_model=None):
+                     ref_model=None, keep_groups=0):
         seen.append(ref_model)
         optimizer.step()
         return {"input_tokens": 0, "samples": num_sequences}

@@ -164,7 +164,8 @@ def open_weight_sender(cfg: Config) -> WeightSender:
         return make_sender("shm", run_id=_channel_id(cfg))
     return make_sender("broadcast", init_method=_require_init_method(cfg),
                        n_actors=_n_receivers(cfg), device=cfg.trainer.device,
-                       bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s)
+                       bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s,
+                       interface=cfg.sync.interface)
 
 
 def open_weight_receiver(cfg: Config, actor_id: int, device: str = "",
@@ -176,7 +177,8 @@ def open_weight_receiver(cfg: Config, actor_id: int, device: str = "",
         return make_receiver("shm", run_id=_channel_id(cfg), timeout_s=cfg.sync.timeout_s)
     return make_receiver("broadcast", init_method=_require_init_method(cfg), actor_id=actor_id,
                          n_actors=_n_receivers(cfg), device=device or cfg.engine.device,
-                         timeout_s=cfg.sync.timeout_s, may_rejoin=restarted)
+                         timeout_s=cfg.sync.timeout_s, may_rejoin=restarted,
+                         interface=cfg.sync.interface)
 
 
 def _require_init_method(cfg: Config) -> str:

@@ -429,10 +429,9 @@ class Trainer:
         step may hold more than trainer.batch_size, and `samples_trained` counts them all).
         `keep_groups`: the first so many groups' `scored` samples come back (rl_step)."""
         t0 = time.monotonic()
-        # The keyword only when used: stand-ins for rl_step keep its older signature.
-        keep = {"keep_groups": keep_groups} if keep_groups else {}
         metrics = rl_step(self.model, self.optimizer, groups, self.cfg, trainer_version=self.step,
-                          num_sequences=num_sequences, ref_model=self.ref_model, **keep)
+                          num_sequences=num_sequences, ref_model=self.ref_model,
+                          keep_groups=keep_groups)
         self.scheduler.step()
         self.compute_s += time.monotonic() - t0
         self.step += 1

@@ -8,9 +8,10 @@ are passed through to the backend's class, so a wrong option fails with a TypeEr
                ShmWeightReceiver(run_id, shm_dir="/dev/shm", timeout_s=60.0)
     broadcast: BroadcastWeightSender(init_method, n_actors, device="cpu", bucket_mb=64.0,
                                      per_parameter=False, timeout_s=120.0,
-                                     rendezvous_timeout_s=None)
+                                     rendezvous_timeout_s=None, interface="")
                BroadcastWeightReceiver(init_method, actor_id, n_actors, device="cpu",
-                                       timeout_s=120.0, rendezvous_timeout_s=None)
+                                       timeout_s=120.0, rendezvous_timeout_s=None,
+                                       may_rejoin=False, interface="")
 """
 
 from __future__ import annotations
