@@ -7,12 +7,14 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
 import torch
 
+from pipelinerl.batches import BatchSource
 from pipelinerl.config import Config, load_config
 from pipelinerl.models.tiny import build_char_tokenizer
 from pipelinerl.rl.advantages import groups_advantages
@@ -73,6 +75,9 @@ class _Source(SimpleNamespace):
     def take_dropped_ids(self) -> dict[str, list[str]]:
         return {}
 
+    def take_dropped_groups(self) -> list[tuple[str, int, Group]]:
+        return []
+
 
 def config(*overrides: str) -> Config:
     return load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={3 * GROUP}",
@@ -80,11 +85,13 @@ def config(*overrides: str) -> Config:
 
 
 def train(cfg: Config, tmp_path: Path, steps: list[list[Group]], start: int = 0,
-          resume_step: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """`TrainerRun.train` over `steps`' groups from trainer step `start`, recording into
-    `tmp_path` as `setup` opens the record; the weights each step started from."""
+          resume_step: int | None = None, source: BatchSource | None = None,
+          trained_log: io.StringIO | None = None) -> list[dict[str, torch.Tensor]]:
+    """`TrainerRun.train` over `steps`' groups (or, given a `source`, the groups it yields)
+    from trainer step `start`, recording into `tmp_path` as `setup` opens the record; the
+    weights each step started from."""
     model = tiny_hf_model("qwen2", seed=1).train()
-    trainer = Trainer(cfg, model, source=_Source(), sender=None)
+    trainer = Trainer(cfg, model, source=source or _Source(), sender=None)
     trainer.step = start
     record = open_record(tmp_path, cfg.metrics, tokenizer(tmp_path), resume_step)
     weights: list[dict[str, torch.Tensor]] = []
@@ -96,9 +103,11 @@ def train(cfg: Config, tmp_path: Path, steps: list[list[Group]], start: int = 0,
 
     run = TrainerRun(cfg=cfg, rank=0, world=1, device="cpu", model=model, sharded=False,
                      trainer=trainer, tokenizer=None, due=lambda step: False,
-                     bar=progress_bar(cfg, enabled=False), batches=batches(),
+                     bar=progress_bar(cfg, enabled=False),
+                     batches=trainer.batches() if source is not None else batches(),
                      metrics=SimpleNamespace(log=lambda step, record: None),
-                     trained_log=io.StringIO(), control=None, evals=None, samples=record)
+                     trained_log=trained_log or io.StringIO(), control=None, evals=None,
+                     samples=record)
     run.train()
     if record is not None:
         record.close()
@@ -224,3 +233,49 @@ def test_record_keeps_the_first_groups(tmp_path: Path) -> None:
     record = SampleRecord(tmp_path, cfg.metrics, tokenizer(tmp_path), None)
     assert (record.groups_to_keep(3), record.groups_to_keep(8)) == (3, 5)
     record.close()
+
+
+class _Reader:
+    """A rollout stream holding `records`, read once."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.records = records
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict]:
+        records, self.records = self.records[:max_count], self.records[max_count:]
+        return records
+
+
+def _at_version(group: Group, version: int, group_id: str) -> Group:
+    """`group` renamed, every token sampled by `version`."""
+    samples = [replace(s, versions=[version] * len(s.token_ids), group_id=group_id)
+               for s in group.samples]
+    return Group(group_id, group.prompt, samples)
+
+
+def test_a_group_dropped_as_too_stale_is_recorded_with_its_reason(tmp_path: Path) -> None:
+    """Through the trainer's real source (`BatchSource`, lag bound 1) at step 5: two groups of
+    version 2 (lag 3) come before the step's three fresh ones; both are dropped as stale, the
+    first recorded (samples_per_step=1 bounds the dropped lines too), the step trains on."""
+    cfg = config("trainer.max_steps=6", "metrics.samples_per_step=1")
+    old = step_groups(2, n_groups=3)
+    stale = [_at_version(old[p], 2, f"stale-{p}") for p in (1, 2)]  # group 0 has an empty one
+    fresh = [_at_version(g, 5, f"fresh-{p}") for p, g in enumerate(step_groups(5, 4)[1:])]
+    source = BatchSource(_Reader([g.to_dict() for g in stale + fresh]), GROUP, max_lag=1,
+                         timeout_s=5.0, keep_dropped=cfg.metrics.samples_per_step)
+    trained = io.StringIO()
+    train(cfg, tmp_path, [], start=5, source=source, trained_log=trained)
+    assert json.loads(trained.getvalue())["dropped"] == {"stale": ["stale-1", "stale-2"]}
+    rows = strict_rows(tmp_path / SAMPLES)
+    assert [(r["step"], r["group_id"], r.get("dropped")) for r in rows] == [
+        (6, "stale-1", "stale"), (6, "fresh-0", None)]
+    dropped = rows[0]
+    assert dropped["version"] == 5 and dropped["problem"] == old[1].prompt
+    for sample, got in zip(stale[0].samples, dropped["samples"]):
+        assert got["reward"] == sample.reward and got["advantage"] is None
+        assert got["completion"] == "".join(ALPHABET[t - 4] for t in sample.token_ids)
+        tokens = got["tokens"]
+        assert tokens["lag"] == [3] * len(sample.token_ids)
+        assert tokens["engine_logprob"] == [round(lp, 6) for lp in sample.logprobs]
+        assert set(tokens["mask"]) == {0} and set(tokens["trainer_logprob"]) == {None}
+    assert not source.dropped_groups  # taken with the step: nothing held past it

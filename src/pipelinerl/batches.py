@@ -35,6 +35,10 @@ class BatchSource:
     buffer: list[Group] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)  # reason -> groups dropped
     dropped_ids: dict[str, list[str]] = field(default_factory=dict)  # by reason, until taken
+    # samples.jsonl's dropped lines: up to so many (reason, step judged at, group) kept until
+    # taken (-1: all, 0: none; metrics.samples_per_step), so the record costs nothing when off.
+    keep_dropped: int = 0
+    dropped_groups: list[tuple[str, int, Group]] = field(default_factory=list)
     given_back: Counter = field(default_factory=Counter)  # actor id -> places given back
     given_back_changed: bool = False
     # Sends `given_back` to the actors (the control stream). Called whenever the source is about
@@ -119,6 +123,11 @@ class BatchSource:
         ids, self.dropped_ids = self.dropped_ids, {}
         return ids
 
+    def take_dropped_groups(self) -> list[tuple[str, int, Group]]:
+        """(reason, step judged at, group) of the groups kept since the last call."""
+        kept, self.dropped_groups = self.dropped_groups, []
+        return kept
+
     def take(self, n_groups: int, step: int, deadline: float | None = None) -> list[Group] | None:
         """The next `n_groups` groups usable at optimizer step `step`, in arrival order; None
         if the monotonic clock passes `deadline` while waiting for them (the groups taken so
@@ -134,6 +143,8 @@ class BatchSource:
                 reason = self._drop_reason(group, step)
                 if reason is not None:
                     self._give_back(group.actor_id, reason, group.group_id)
+                    if self.keep_dropped < 0 or len(self.dropped_groups) < self.keep_dropped:
+                        self.dropped_groups.append((reason, step, group))
                     continue
                 batch.append(group)
                 last_usable = time.monotonic()

@@ -7,6 +7,10 @@ What the step computed comes from `rl.step.rl_step(keep_groups=n)`: a `Capture` 
 micro-batches that hold a recorded sample's tokens, their new log-probs on the device, and
 reads them back in one copy after the step's loop; other micro-batches cost nothing.
 
+Groups the trainer drops (too stale, another run's, made with lost weights) get a line too,
+with `"dropped": <reason>` and no trainer log-probs: up to `metrics.samples_per_step` of them
+per step (`BatchSource.keep_dropped`), written with the step whose trained.jsonl row lists them.
+
 Bounded on disk as the streams are: past half of `metrics.samples_max_mb` the file rolls on to
 `samples.1.jsonl` (replacing the one before), so the newest steps are kept and the two files
 stay within the bound. A resumed run cuts both back to the checkpoint's step (`open`), so no
@@ -149,12 +153,26 @@ class SampleRecord:
 
     def write(self, step: int, version: int, groups: list[Group], scored: list[Scored]) -> None:
         """The lines of `groups` (`scored`: their samples', flattened, as `Capture` gives)."""
-        at = 0
+        rows, at = [], 0
         for group in groups:
             n = len(group.samples)
-            row = group_row(step, version, group, scored[at:at + n], self.tokenizer)
-            self._file.write(json.dumps(row) + "\n")
+            rows.append(group_row(step, version, group, scored[at:at + n], self.tokenizer))
             at += n
+        self._append(rows)
+
+    def write_dropped(self, step: int, dropped: list[tuple[str, int, Group]]) -> None:
+        """The lines of groups the trainer dropped, recorded with `step`'s (trained.jsonl's
+        row that lists them): (reason, the trainer version they were judged at, group)."""
+        rows = []
+        for reason, version, group in dropped:
+            untrained = [Scored(None, [None] * len(s.token_ids)) for s in group.samples]
+            rows.append({**group_row(step, version, group, untrained, self.tokenizer),
+                         "dropped": reason})
+        if rows:
+            self._append(rows)
+
+    def _append(self, rows: list[dict[str, Any]]) -> None:
+        self._file.writelines(json.dumps(row) + "\n" for row in rows)
         self._file.flush()  # a reader (the viewer) sees whole steps
         if self._file.tell() >= self.roll_bytes:
             self._file.close()

@@ -187,6 +187,8 @@ class TrainerRun:
         dropped = self.trainer.source.take_dropped_ids()
         self.trained_log.write(json.dumps({"step": self.trainer.step, "trained": trained,
                                            "dropped": dropped}) + "\n")
+        if self.samples is not None:
+            self.samples.write_dropped(self.trainer.step, self.trainer.source.take_dropped_groups())
 
     def checkpoint_if_due(self) -> None:
         """Rank 0's clock decides; with a sharded model every rank writes its shards."""
@@ -306,7 +308,8 @@ def open_channels(cfg: Config, offsets: dict | None, metrics: MetricsLogger | No
     control = open_control_writer(cfg)
     source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size,
                          stale_bound(cfg), cfg.trainer.sample_timeout_s,
-                         announce=functools.partial(write_returned, control, cfg))
+                         announce=functools.partial(write_returned, control, cfg),
+                         keep_dropped=cfg.metrics.samples_per_step)
     sender = open_weight_sender(cfg)
     evals = None
     if cfg.eval.enabled:
