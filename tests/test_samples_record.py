@@ -20,9 +20,15 @@ from pipelinerl.models.tiny import build_char_tokenizer
 from pipelinerl.rl.advantages import groups_advantages
 from pipelinerl.rl.packing import pack, score_tokens
 from pipelinerl.rl.step import _scoring
-from pipelinerl.samples import SAMPLES, SampleRecord, open_record, read_samples
+from fake_tasks import AnswerTask
+from pipelinerl.engine import EngineOptions
+from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.evaluation import EvalMode, EvalSetup
+from pipelinerl.samples import (EVAL_SAMPLES, SAMPLES, EvalSampleRecord, SampleRecord,
+                                open_eval_record, open_record, read_eval_samples, read_samples)
+from pipelinerl.scoring import Scorer
 from pipelinerl.trainer import Trainer, TrainerRun, progress_bar
-from pipelinerl.types import ENV_VERSION, Group, Sample
+from pipelinerl.types import ENV_VERSION, Group, Sample, SamplingParams
 from tiny_models import VOCAB, tiny_hf_model
 
 torch.set_num_threads(1)
@@ -279,3 +285,94 @@ def test_a_group_dropped_as_too_stale_is_recorded_with_its_reason(tmp_path: Path
         assert tokens["engine_logprob"] == [round(lp, 6) for lp in sample.logprobs]
         assert set(tokens["mask"]) == {0} and set(tokens["trainer_logprob"]) == {None}
     assert not source.dropped_groups  # taken with the step: nothing held past it
+
+
+# ---- eval_samples.jsonl: the evaluator's held-out completions -------------------------------
+
+
+def _eval_setup(tmp_path: Path, record: EvalSampleRecord | None, solvable: list[bool | None]
+                ) -> tuple[EvalSetup, TorchEngine]:
+    """The evaluator's pass (`EvalSetup.run`) on the torch engine with a tiny model, over
+    AnswerTask's problems (problem i solved iff solvable[i]; None: its verifier raises)."""
+    hf = tiny_hf_model("qwen2")
+    engine = TorchEngine(hf.config, EngineOptions(capacity=4, max_seq_len=64))
+    engine.load_weights(hf.state_dict(), version=0)
+    task = AnswerTask(solvable)
+    problems = task.problems()
+    prompts = [[5 + i, 6, 7] for i in range(len(problems))]
+    modes = [EvalMode("greedy", SamplingParams(max_new_tokens=5, temperature=0.0), 1),
+             EvalMode("sampled", SamplingParams(max_new_tokens=5, temperature=1.0), 2)]
+    decode = tokenizer(tmp_path).decode
+    return EvalSetup(problems, prompts, modes, Scorer(task, timeout_s=30, workers=1), decode,
+                     samples=record), engine
+
+
+def test_the_evaluator_records_each_versions_completions_once(tmp_path: Path) -> None:
+    """Versions 0 and 3 are recorded, one line per problem and mode; a restarted evaluator
+    (the same run directory, a torn last line) evaluating version 3 again writes nothing."""
+    cfg = config()
+    solvable = [True, False, None]
+    setup, engine = _eval_setup(tmp_path, open_eval_record(tmp_path, cfg.metrics, 0), solvable)
+    metrics = setup.run(engine)
+    engine.load_weights(tiny_hf_model("qwen2", seed=2).state_dict(), version=3)
+    setup.run(engine)
+    setup.close()
+    with (tmp_path / EVAL_SAMPLES).open("a") as f:
+        f.write('{"version": 7, "mo')
+    rows = read_eval_samples(tmp_path)
+    assert [(r["version"], r["mode"], r["problem_id"]) for r in rows] == [
+        (v, mode, f"answer:{i}") for v in (0, 3) for mode in ("greedy", "sampled")
+        for i in range(3)]
+    decode = tokenizer(tmp_path).decode
+    for row in rows:
+        i = int(row["problem_id"].split(":")[1])
+        assert row["attempt"] == 0 and row["problem"] == "x"
+        assert row["prompt"] == decode([5 + i, 6, 7])
+        assert len(row["attempts"]) == (1 if row["mode"] == "greedy" else 2)
+        assert (row["failure"] is None) == (solvable[i] is not None)
+        for a in row["attempts"]:
+            assert 1 <= a["length"] <= 5 and a["finish_reason"] in ("stop", "length")
+            assert len(a["completion"]) >= a["length"] - 1  # the char tokenizer: a char a token
+            if solvable[i] is None:  # the verifier raised: unscored, `failure` says why
+                assert a["reward"] is None
+            else:
+                assert (a["reward"], a["success"]) == (float(solvable[i]), solvable[i])
+    greedy = [r for r in rows if r["version"] == 0 and r["mode"] == "greedy"]
+    assert metrics["eval/greedy"] == sum(a["success"] is True for r in greedy
+                                         for a in r["attempts"]) / 3
+    before = (tmp_path / EVAL_SAMPLES).read_text()
+    again, engine = _eval_setup(tmp_path, open_eval_record(tmp_path, cfg.metrics, 0), solvable)
+    engine.load_weights(tiny_hf_model("qwen2", seed=2).state_dict(), version=3)
+    again.run(engine)
+    again.close()
+    assert (tmp_path / EVAL_SAMPLES).read_text() == before.rsplit("\n", 1)[0] + "\n"
+
+
+def test_a_resume_drops_the_lost_attempts_versions(tmp_path: Path) -> None:
+    """Attempt 0 recorded versions 0, 2 and 4 and crashed; attempt 1 resumed from step 2:
+    attempt 0's version 4 came from lost weights, so attempt 1's version 4 is recorded."""
+    from pipelinerl.attempts import record_resume
+
+    cfg = config()
+    record = EvalSampleRecord(tmp_path, cfg.metrics, 0)
+    for version in (0, 2, 4):
+        record.write(version, [{"version": version, "attempt": 0, "mode": "greedy"}])
+    record.close()
+    record_resume(tmp_path, 1, 2)
+    record = EvalSampleRecord(tmp_path, cfg.metrics, 1)
+    assert not record.write(2, [{"version": 2, "attempt": 1, "mode": "greedy"}])
+    assert record.write(4, [{"version": 4, "attempt": 1, "mode": "greedy"}])
+    record.close()
+    assert [(r["version"], r["attempt"]) for r in read_eval_samples(tmp_path)] == [
+        (0, 0), (2, 0), (4, 1)]
+
+
+def test_eval_record_bounded_on_disk(tmp_path: Path) -> None:
+    cfg = config("metrics.samples_max_mb=0.002")  # rolls past 1 KiB
+    record = EvalSampleRecord(tmp_path, cfg.metrics, 0)
+    for version in range(20):
+        record.write(version, [{"version": version, "attempt": 0, "text": "y" * 200}])
+    record.close()
+    versions = [r["version"] for r in read_eval_samples(tmp_path)]
+    assert versions == list(range(versions[0], 20)) and versions[0] > 0
+    assert not open_eval_record(tmp_path, config("metrics.samples_per_step=0").metrics, 0)

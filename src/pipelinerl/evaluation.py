@@ -40,10 +40,11 @@ from pipelinerl.metrics.logger import METRICS
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import text_codec
 from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
+from pipelinerl.samples import EvalPass, EvalSampleRecord, open_eval_record
 from pipelinerl.scoring import Scorer
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import heldout_problems, make_task
-from pipelinerl.tasks.base import Problem, Task
+from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.environment import is_environment
 from pipelinerl.types import (GenerationOutput, GenerationRequest, Sample, SamplingParams,
                              attempt_index)
@@ -117,12 +118,14 @@ def evaluate(
     decode: Callable[[list[int]], str],
     between_steps: Callable[[], None] = lambda: None,
     rollouts: Rollouts | None = None,
+    record: EvalPass | None = None,
 ) -> dict[str, float]:
     """One pass over `problems` with the weights the engine holds, which must not change
     during the pass (`between_steps` runs between two decode steps and must not load any).
     A completion whose verification fails (raises, hangs, crashes) counts as unsolved and is
     counted in `<mode>/verifier_failures`. With `rollouts` (an environment's, on this engine)
-    the attempts are multi-turn; a failed environment call counts like a failed verifier."""
+    the attempts are multi-turn; a failed environment call counts like a failed verifier.
+    `record` collects the attempts and their scores (eval_samples.jsonl)."""
     version = engine.version
     t0 = time.monotonic()
     queue = deque(
@@ -156,23 +159,26 @@ def evaluate(
             group = collector.add(out, problems[i], modes[m].attempts)
             if group is None:
                 continue
+            if record is not None:
+                record.attempts(m, i, problems[i], group.attempts, group.failure)
             tallies[m].count(group.attempts)
             if group.failure is not None:
                 tallies[m].failures += len(group.attempts)  # unsolved, like a failed verifier
             else:
                 unscored += 1
-        unscored -= _collect(scorer, tallies, modes)
+        unscored -= _collect(scorer, tallies, modes, record)
         between_steps()
     while unscored:
         scorer.wait(POLL_S)
-        unscored -= _collect(scorer, tallies, modes)
+        unscored -= _collect(scorer, tallies, modes, record)
         between_steps()
     return _metrics(modes, tallies, len(problems), t0)
 
 
 def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: EpisodeRunner,
                       problems: list[Problem], modes: list[EvalMode],
-                      between_steps: Callable[[], None] = lambda: None) -> dict[str, float]:
+                      between_steps: Callable[[], None] = lambda: None,
+                      record: EvalPass | None = None) -> dict[str, float]:
     """`evaluate` for an environment of another library (verifiers): each problem's episodes
     call `endpoint`, served here by `engine`, and are scored by the environment. An episode
     that fails (an error, its deadline) counts as unsolved, in `<mode>/verifier_failures`."""
@@ -195,6 +201,11 @@ def evaluate_episodes(engine: Engine, endpoint: GenerateEndpoint, runner: Episod
         for finished in runner.poll():
             m, i = (int(x) for x in finished.group_id.split("|"))
             left -= 1
+            if record is not None:
+                record.attempts(m, i, problems[i], finished.samples or [],
+                                None if finished.samples is not None else "episode")
+                if finished.samples is not None:
+                    record.scores(m, i, [Score(s.reward, s.success) for s in finished.samples])
             if finished.samples is None:
                 tallies[m].failures += modes[m].attempts
                 continue
@@ -222,11 +233,14 @@ def _metrics(modes: list[EvalMode], tallies: list[_Tally], n_problems: int, t0: 
     return out
 
 
-def _collect(scorer: Scorer, tallies: list[_Tally], modes: list[EvalMode]) -> int:
+def _collect(scorer: Scorer, tallies: list[_Tally], modes: list[EvalMode],
+             record: EvalPass | None = None) -> int:
     """Tally the scored groups; returns how many came back."""
     scored = scorer.poll()
     for s in scored:
         m, i = (int(x) for x in s.key.split("|"))
+        if record is not None:
+            record.scores(m, i, s.scores, s.reason)
         if s.scores is None:
             tallies[m].failures += modes[m].attempts
             continue
@@ -269,19 +283,29 @@ class EvalSetup:
     # The task's own held-out set (a dataset's test_split, an environment's eval_taskset)
     # chose `problems`, not task.heldout_frac (`tasks.split.heldout_problems`).
     own_heldout: bool = False
+    # The evaluator role's eval_samples.jsonl (None: `pipelinerl eval`, or recording off).
+    samples: EvalSampleRecord | None = None
 
     def run(self, engine: Engine, between_steps: Callable[[], None] = lambda: None
             ) -> dict[str, float]:
+        record = EvalPass(self.decode) if self.samples is not None else None
         if self.episodes is not None:
-            return evaluate_episodes(engine, *self.episodes, self.problems, self.modes,
-                                     between_steps)
-        assert self.scorer is not None
-        return evaluate(engine, self.problems, self.prompt_ids, self.modes, self.scorer,
-                        self.decode, between_steps, self.rollouts)
+            metrics = evaluate_episodes(engine, *self.episodes, self.problems, self.modes,
+                                        between_steps, record)
+        else:
+            assert self.scorer is not None
+            metrics = evaluate(engine, self.problems, self.prompt_ids, self.modes, self.scorer,
+                               self.decode, between_steps, self.rollouts, record)
+        if self.samples is not None and record is not None:
+            self.samples.write(engine.version, record.rows(engine.version, self.samples.attempt,
+                                                           [m.name for m in self.modes]))
+        return metrics
 
     def close(self) -> None:
         if self.scorer is not None:
             self.scorer.close()
+        if self.samples is not None:
+            self.samples.close()
         if self.rollouts is not None:
             self.rollouts.close()
         if self.episodes is not None:
@@ -416,6 +440,7 @@ class _Evaluator:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.setup, self.engine = build_eval_setup(cfg, cfg.model.path)
+        self.setup.samples = open_eval_record(cfg.run_dir, cfg.metrics, cfg.attempt)
         # On the engine's device and in its dtype: one more copy of the model, not an fp32 one
         # in host memory that every received version would cross.
         staging_model = load_model(cfg.model.path, dtype=torch_dtype(cfg.engine.dtype),

@@ -11,6 +11,9 @@ Groups the trainer drops (too stale, another run's, made with lost weights) get 
 with `"dropped": <reason>` and no trainer log-probs: up to `metrics.samples_per_step` of them
 per step (`BatchSource.keep_dropped`), written with the step whose trained.jsonl row lists them.
 
+The evaluator keeps `<run_dir>/eval_samples.jsonl` likewise (`EvalSampleRecord`): per
+evaluated version, one line per held-out problem and mode with its attempts and scores.
+
 Bounded on disk as the streams are: past half of `metrics.samples_max_mb` the file rolls on to
 `samples.1.jsonl` (replacing the one before), so the newest steps are kept and the two files
 stay within the bound. A resumed run cuts both back to the checkpoint's step (`open`), so no
@@ -27,13 +30,17 @@ from typing import IO, Any
 
 import torch
 
+from pipelinerl.attempts import read_resumes, valid_upto
 from pipelinerl.config import MetricsConfig
 from pipelinerl.records import read_rows
 from pipelinerl.rl.packing import PackedBatch
+from pipelinerl.tasks.base import Problem, Score
 from pipelinerl.types import ENV_VERSION, Group, Sample
 
 SAMPLES = "samples.jsonl"
 ROLLED = "samples.1.jsonl"
+EVAL_SAMPLES = "eval_samples.jsonl"
+EVAL_ROLLED = "eval_samples.1.jsonl"
 _DIGITS = 6  # decimals of log-probs, significant digits of weights: far below their noise
 
 
@@ -195,13 +202,112 @@ def _cut(path: Path, step: int) -> None:
     """`path` without its lines of steps after `step` (or cut by a crash), replaced atomically."""
     if not path.exists():
         return
+    _rewrite(path, [row for row in read_rows(path) if row["step"] <= step])
+
+
+def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
+    """`path` replaced atomically by `rows`."""
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in read_rows(path) if row["step"] <= step)
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     tmp.replace(path)
 
 
 def read_samples(run_dir: Path) -> list[dict[str, Any]]:
     """The recorded groups still on disk, oldest first."""
     paths = [run_dir / ROLLED, run_dir / SAMPLES]
+    return [row for path in paths if path.exists() for row in read_rows(path)]
+
+
+class EvalPass:
+    """One evaluation pass's attempts and scores, per (mode index, problem index), as the
+    pass collects them (`pipelinerl.evaluation.evaluate` and `evaluate_episodes`)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode
+        self._rows: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def attempts(self, m: int, i: int, problem: Problem, outs: list[Any],
+                 failure: str | None = None) -> None:
+        """A problem's finished attempts in mode `m` (engine outputs, transcripts or samples:
+        anything with prompt_ids, token_ids and finish_reason); `failure`: why it is unscored."""
+        self._rows[m, i] = {
+            "problem_id": problem.problem_id, "problem": problem.prompt,
+            "prompt": self.decode(outs[0].prompt_ids) if outs else "",
+            "attempts": [{"completion": self.decode(o.token_ids), "reward": None,
+                          "success": None, "finish_reason": o.finish_reason,
+                          "length": len(o.token_ids)} for o in outs],
+            "failure": failure}
+
+    def scores(self, m: int, i: int, scores: list[Score] | None, failure: str = "") -> None:
+        """Their scores, in attempt order; None: verification failed (`failure`)."""
+        row = self._rows[m, i]
+        if scores is None:
+            row["failure"] = failure or "verifier"
+            return
+        for attempt, score in zip(row["attempts"], scores):
+            attempt["reward"], attempt["success"] = score.reward, score.success
+
+    def rows(self, version: int, attempt: int, modes: list[str]) -> list[dict[str, Any]]:
+        """The pass's lines, by mode then problem."""
+        return [{"version": version, "attempt": attempt, "mode": modes[m], **row}
+                for (m, _), row in sorted(self._rows.items())]
+
+
+class EvalSampleRecord:
+    """The evaluator's eval_samples.jsonl writer: one pass's lines per version, never a version
+    twice. Rolls on to eval_samples.1.jsonl as SampleRecord does (`metrics.samples_max_mb`)."""
+
+    def __init__(self, run_dir: Path, cfg: MetricsConfig, attempt: int) -> None:
+        self.run_dir = run_dir
+        self.path, self.rolled = run_dir / EVAL_SAMPLES, run_dir / EVAL_ROLLED
+        self.roll_bytes = int(cfg.samples_max_mb * 2**20) // 2
+        self.attempt = attempt
+        self.recorded: set[int] = set()
+        self._file: IO[str] | None = None
+
+    def _open(self) -> None:
+        """At the first write, not before: a resumed trainer records its resume in
+        attempts.jsonl before it publishes the weights the evaluator waits for."""
+        # A crashed attempt's versions past the step a later attempt resumed from were made by
+        # lost weights: their lines go, and the new attempt's evaluation of the number is kept.
+        valid = valid_upto(read_resumes(self.run_dir))
+        for path in (self.rolled, self.path):
+            if path.exists():
+                rows = [r for r in read_rows(path)
+                        if r["version"] <= valid.get(r["attempt"], r["version"])]
+                self.recorded.update(r["version"] for r in rows)
+                _rewrite(path, rows)  # also drops a line a crash cut short
+        self._file = self.path.open("a")
+
+    def write(self, version: int, rows: list[dict[str, Any]]) -> bool:
+        """A pass's lines (`EvalPass.rows`), unless `version` is recorded already."""
+        if self._file is None:
+            self._open()
+        assert self._file is not None
+        if version in self.recorded:
+            return False
+        self._file.writelines(json.dumps(row) + "\n" for row in rows)
+        self._file.flush()
+        self.recorded.add(version)
+        if self._file.tell() >= self.roll_bytes:
+            self._file.close()
+            self.path.replace(self.rolled)
+            self._file = self.path.open("w")
+        return True
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def open_eval_record(run_dir: Path, cfg: MetricsConfig, attempt: int
+                     ) -> EvalSampleRecord | None:
+    """The evaluator's record, None when `metrics.samples_per_step` is 0 (off)."""
+    return EvalSampleRecord(run_dir, cfg, attempt) if cfg.samples_per_step else None
+
+
+def read_eval_samples(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluator's recorded lines still on disk, oldest first."""
+    paths = [run_dir / EVAL_ROLLED, run_dir / EVAL_SAMPLES]
     return [row for path in paths if path.exists() for row in read_rows(path)]
