@@ -10,12 +10,15 @@ import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Any, Iterator
+
+import pytest
 
 import torch
 
 from pipelinerl.batches import BatchSource
-from pipelinerl.config import Config, load_config
+from pipelinerl.config import Config, MetricsConfig, load_config
+from pipelinerl.metrics.logger import TABLE_COLUMNS, TABLE_ROWS, MetricsLogger
 from pipelinerl.models.tiny import build_char_tokenizer
 from pipelinerl.rl.advantages import groups_advantages
 from pipelinerl.rl.packing import pack, score_tokens
@@ -92,7 +95,8 @@ def config(*overrides: str) -> Config:
 
 def train(cfg: Config, tmp_path: Path, steps: list[list[Group]], start: int = 0,
           resume_step: int | None = None, source: BatchSource | None = None,
-          trained_log: io.StringIO | None = None) -> list[dict[str, torch.Tensor]]:
+          trained_log: io.StringIO | None = None, metrics: Any = None
+          ) -> list[dict[str, torch.Tensor]]:
     """`TrainerRun.train` over `steps`' groups (or, given a `source`, the groups it yields)
     from trainer step `start`, recording into `tmp_path` as `setup` opens the record; the
     weights each step started from."""
@@ -111,7 +115,8 @@ def train(cfg: Config, tmp_path: Path, steps: list[list[Group]], start: int = 0,
                      trainer=trainer, tokenizer=None, due=lambda step: False,
                      bar=progress_bar(cfg, enabled=False),
                      batches=trainer.batches() if source is not None else batches(),
-                     metrics=SimpleNamespace(log=lambda step, record: None),
+                     metrics=metrics or SimpleNamespace(log=lambda step, record: None,
+                                                        log_samples=lambda step, rows: None),
                      trained_log=trained_log or io.StringIO(), control=None, evals=None,
                      samples=record)
     run.train()
@@ -376,3 +381,54 @@ def test_eval_record_bounded_on_disk(tmp_path: Path) -> None:
     versions = [r["version"] for r in read_eval_samples(tmp_path)]
     assert versions == list(range(versions[0], 20)) and versions[0] > 0
     assert not open_eval_record(tmp_path, config("metrics.samples_per_step=0").metrics, 0)
+
+
+# ---- a few samples a step in TensorBoard and W&B ---------------------------------------------
+
+
+def test_tensorboard_gets_a_table_of_samples_each_step(tmp_path: Path) -> None:
+    """Read back from the event file: one text per step, a markdown table of TABLE_ROWS samples
+    taken from the recorded groups in turn, as samples.jsonl holds them."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = config("trainer.max_steps=2")
+    metrics = MetricsLogger(tmp_path, MetricsConfig(tensorboard=True), "run", {})
+    train(cfg, tmp_path, [step_groups(step) for step in range(2)], metrics=metrics)
+    metrics.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("samples/text_summary")
+    assert [e.step for e in texts] == [1, 2]
+    rows = read_samples(tmp_path)
+    for event in texts:
+        table = event.tensor_proto.string_val[0].decode().splitlines()
+        assert table[0] == "| " + " | ".join(TABLE_COLUMNS) + " |"
+        assert len(table) == 2 + TABLE_ROWS
+        groups = [r for r in rows if r["step"] == event.step]
+        # the groups in turn: group 0's first sample, group 1's first, group 0's second, ...
+        firsts = [table[2 + k].split(" | ")[0].lstrip("| ") for k in range(TABLE_ROWS)]
+        assert firsts == [groups[k % 2]["group_id"] for k in range(TABLE_ROWS)]
+        sample = groups[1]["samples"][0]
+        cells = table[3].split(" | ")
+        assert cells[2] == sample["completion"] and cells[-1] == f"{sample['length']} |"
+
+
+def test_wandb_gets_a_table_of_samples_each_step(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed: the W&B table is "
+                                "untested here")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logged: list[tuple[dict, int]] = []
+    metrics = MetricsLogger(tmp_path, MetricsConfig(wandb=True), "run", {})
+    monkeypatch.setattr(metrics._wandb, "log", lambda values, step=None: logged.append(
+        (values, step)))
+    train(config("trainer.max_steps=1"), tmp_path, [step_groups(0)], metrics=metrics)
+    metrics.close()
+    ((values, step),) = [(v, s) for v, s in logged if "samples" in v]
+    table = values["samples"]
+    assert step == 1 and isinstance(table, wandb.Table)
+    assert table.columns == list(TABLE_COLUMNS) and len(table.data) == TABLE_ROWS
+    first = read_samples(tmp_path)[0]
+    assert table.data[0][:3] == [first["group_id"], first["problem"],
+                                 first["samples"][0]["completion"]]

@@ -158,14 +158,17 @@ class SampleRecord:
         """How many of a step's `n_groups` (rank 0's) to record: the first so many."""
         return n_groups if self.per_step < 0 else min(self.per_step, n_groups)
 
-    def write(self, step: int, version: int, groups: list[Group], scored: list[Scored]) -> None:
-        """The lines of `groups` (`scored`: their samples', flattened, as `Capture` gives)."""
+    def write(self, step: int, version: int, groups: list[Group], scored: list[Scored]
+              ) -> list[dict[str, Any]]:
+        """The lines of `groups` (`scored`: their samples', flattened, as `Capture` gives),
+        returned for the metrics logger's table."""
         rows, at = [], 0
         for group in groups:
             n = len(group.samples)
             rows.append(group_row(step, version, group, scored[at:at + n], self.tokenizer))
             at += n
         self._append(rows)
+        return rows
 
     def write_dropped(self, step: int, dropped: list[tuple[str, int, Group]]) -> None:
         """The lines of groups the trainer dropped, recorded with `step`'s (trained.jsonl's

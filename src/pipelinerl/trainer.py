@@ -161,7 +161,9 @@ class TrainerRun:
                 trainer.maybe_publish()
             record = self.record_step(groups, metrics) if self.is_main else None
             if self.samples is not None and scored is not None:
-                self.samples.write(trainer.step, trainer.step - 1, shard[:keep], scored)
+                rows = self.samples.write(trainer.step, trainer.step - 1, shard[:keep], scored)
+                assert self.metrics is not None  # both rank 0's
+                self.metrics.log_samples(trainer.step, rows)
             self.checkpoint_if_due()  # after the step's records, which a resume from it keeps
             if record is not None:
                 self.report_step(record)

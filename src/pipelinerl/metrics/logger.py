@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import html
 import json
 import math
+import re
+from itertools import chain, zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,12 @@ from pipelinerl.config import MetricsConfig
 from pipelinerl.records import open_resumed
 
 METRICS = "metrics.jsonl"
+# A glance at what the model writes each step, where TensorBoard / W&B are on; the whole
+# record is samples.jsonl (pipelinerl.samples).
+TABLE_ROWS = 8
+TABLE_CHARS = 300  # of a completion or problem: a table cell, not the text's home
+TABLE_COLUMNS = ("group_id", "problem", "completion", "reward", "advantage", "finish_reason",
+                 "length")
 
 
 class MetricsLogger:
@@ -56,6 +65,20 @@ class MetricsLogger:
             else:
                 self._wandb.log(numeric, step=step)
 
+    def log_samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        """A few samples of the step's recorded groups (samples.jsonl's lines) as a table:
+        markdown text in TensorBoard (its Text tab), a `wandb.Table` in W&B."""
+        if self._tb is None and self._wandb is None:
+            return
+        rows = sample_table(groups)
+        if self._tb is not None:
+            self._tb.add_text("samples", markdown_table(rows), step)
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(TABLE_COLUMNS), data=rows)
+            self._wandb.log({"samples": table}, step=step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
@@ -71,6 +94,28 @@ def _clean(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _clean(v) for k, v in value.items()}
     return value
+
+
+def sample_table(groups: list[dict[str, Any]]) -> list[list[Any]]:
+    """Up to TABLE_ROWS samples, taken from the groups in turn (each group's first, then each
+    one's second, ...), one row of TABLE_COLUMNS each, texts cut to TABLE_CHARS."""
+    turns = zip_longest(*[[(g, s) for s in g["samples"]] for g in groups])
+    picked = [pair for pair in chain.from_iterable(turns) if pair is not None][:TABLE_ROWS]
+    return [[g["group_id"], g["problem"][:TABLE_CHARS], s["completion"][:TABLE_CHARS],
+             s["reward"], s["advantage"], s["finish_reason"], s["length"]] for g, s in picked]
+
+
+def markdown_table(rows: list[list[Any]]) -> str:
+    """`rows` under TABLE_COLUMNS as a markdown table (TensorBoard renders its text so)."""
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        # Shown as written: `<eos>` is no tag, `*` or `|` no markup, a newline a line break.
+        text = re.sub(r"([\\`*_\[\]|#])", r"\\\1", html.escape(text, quote=False))
+        return text.replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def scalars(record: dict[str, Any]) -> dict[str, Any]:
