@@ -93,12 +93,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 from urllib.parse import urlsplit
 
 import torch
@@ -115,6 +116,9 @@ _POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002  # the sender's wait for actors to get 
 _SETTLED_CHECK = timedelta(seconds=0.05)  # how often a receiver waiting for data asks whether
                                           # the sender gave up on the transfer
 _CLOSE_WAIT_S = 10.0  # at most this long for actors to see the sender's close
+_SIGNAL_SLICE_S = 0.1  # how often a wait on a native call lets Python's signal handlers run
+_NATIVE_GRACE_S = 2.0  # past its own timeout, a native call's own error (naming keys) may come
+_T = TypeVar("_T")
 # A string: NCCL's class exists in CUDA builds of torch only.
 _Group: TypeAlias = "dist.ProcessGroupGloo | dist.ProcessGroupNCCL"
 
@@ -136,6 +140,36 @@ def _describe(rank: int) -> str:
 
 def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _bounded(call: Callable[[], _T], timeout_s: float, on_timeout: str) -> _T:
+    """`call()`, a blocking native call with its own `timeout_s` (a store's connect or wait, a
+    process group's constructor), run in a daemon thread: the caller waits for it in slices,
+    so Python's signal handlers run meanwhile (a main thread inside the call hears no SIGTERM
+    or Ctrl-C: seen, a trainer in `ProcessGroupGloo(...)` for minutes with its actor gone), and
+    gives up `_NATIVE_GRACE_S` after `timeout_s` with TimeoutError(`on_timeout`) whatever the
+    call does. On a stop or that timeout the thread is left in the call: it holds no lock of
+    ours, and the process exits around it (a stopped role through cli.run's `_exit_now`)."""
+    outcome: list[_T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as e:  # raised again in the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="pipelinerl-weight-group", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s + _NATIVE_GRACE_S
+    while thread.is_alive():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(on_timeout)
+        thread.join(min(_SIGNAL_SLICE_S, left))
+    if failure:
+        raise failure[0]
+    return outcome[0]
 
 
 def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float,
@@ -165,23 +199,38 @@ def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float,
                            + "; ".join(failed))
 
 
-def _make_group(store: dist.Store, rank: int, world: int, backend: str,
-                timeout_s: float, epoch: int, interface: str | None) -> _Group:
+def _make_group(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float,
+                epoch: int, interface: str | None, rendezvous_timeout_s: float) -> _Group:
+    """Build epoch `epoch`'s group once every member joined its rendezvous; raise
+    TimeoutError if that takes longer than `rendezvous_timeout_s` (the store's own timeout)."""
     # Built directly rather than through init_process_group so that the trainer's own default
     # group (DDP/FSDP over trainer ranks) is left alone. Each epoch's group meets under its own
     # prefix: the keys of an earlier one would mislead its rendezvous.
     prefix = dist.PrefixStore(f"pg{epoch}", store)
-    if backend == "nccl":  # NCCL takes its interface from NCCL_SOCKET_IFNAME (_Channel)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(prefix, rank, world, opts)
-    if interface is None:  # gloo's default: GLOO_SOCKET_IFNAME, else the host name's address
-        return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
-    gloo_opts = dist.ProcessGroupGloo._Options()
-    gloo_opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
-    gloo_opts._timeout = timedelta(seconds=timeout_s)
-    gloo_opts._threads = 2  # as gloo's default constructor gives one device
-    return dist.ProcessGroupGloo(prefix, rank, world, gloo_opts)
+
+    def build() -> _Group:
+        if backend == "nccl":  # NCCL takes its interface from NCCL_SOCKET_IFNAME (_Channel)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            return dist.ProcessGroupNCCL(prefix, rank, world, opts)
+        if interface is None:  # gloo's default: GLOO_SOCKET_IFNAME, else the host name's address
+            return dist.ProcessGroupGloo(prefix, rank, world, timedelta(seconds=timeout_s))
+        gloo_opts = dist.ProcessGroupGloo._Options()
+        gloo_opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
+        gloo_opts._timeout = timedelta(seconds=timeout_s)
+        gloo_opts._threads = 2  # as gloo's default constructor gives one device
+        return dist.ProcessGroupGloo(prefix, rank, world, gloo_opts)
+
+    failed = (f"{_describe(rank)}: the weight-sync group (epoch {epoch}: the trainer and "
+              f"{world - 1} actor(s)) did not form within {rendezvous_timeout_s} s "
+              f"(sync.timeout_s): every member had joined its rendezvous (e{epoch}/peer/*), but "
+              f"the {backend} process group's connections between them did not complete (a "
+              "member died or stalled since, or cannot reach this one's address: "
+              "sync.interface)")
+    try:
+        return _bounded(build, rendezvous_timeout_s, failed)
+    except dist.DistError as e:  # the store's own timeout, naming the keys it waited for
+        raise TimeoutError(f"{failed}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -355,7 +404,7 @@ class BroadcastWeightSender(_Channel):
         _await_peers(self.store, list(range(1, self.world)), 0, self.rendezvous_timeout_s,
                      self.epoch)
         self.group = _make_group(self.store, 0, self.world, self.backend, self.timeout_s,
-                                 self.epoch, self.interface)
+                                 self.epoch, self.interface, self.rendezvous_timeout_s)
 
     def _regroup(self, version: int) -> None:
         """A restarted receiver asked to join: form the group again under a new epoch; the
@@ -553,20 +602,24 @@ class BroadcastWeightReceiver(_Channel):
         self.closed = False
         self._receiving: int | None = None  # the version whose transfer is under way
         me = _describe(self.rank)
+        # Native waits, each bounded by `_bounded` so that a stop signal is heard meanwhile.
+        no_store = (f"{me}: no weight store at {self.host}:{self.port} within "
+                    f"{self.rendezvous_timeout_s} s (is the trainer up?)")
         try:
-            self.store = dist.TCPStore(self.host, self.port, None, False, wait)
+            self.store = _bounded(
+                lambda: dist.TCPStore(self.host, self.port, None, False, wait),
+                self.rendezvous_timeout_s, no_store)
         except dist.DistError as e:
-            raise TimeoutError(
-                f"{me}: no weight store at {self.host}:{self.port} within "
-                f"{self.rendezvous_timeout_s} s "
-                f"(is the trainer up?): {e}"
-            ) from e
+            raise TimeoutError(f"{no_store}: {e}") from e
         restart = self.store.add(f"join/{self.rank}", 1) > 1
         if restart and not may_rejoin:
             raise RuntimeError(f"{me}: another process already joined with this actor id (two "
                                "actors given one id, or a restart of an actor that had written "
                                "no group or heartbeat, so it does not know it continues one)")
-        self.store.wait(["epoch"], wait)
+        store = self.store
+        _bounded(lambda: store.wait(["epoch"], wait), self.rendezvous_timeout_s,
+                 f"{me}: the weight store at {self.host}:{self.port} had no group (key "
+                 f"'epoch') within {self.rendezvous_timeout_s} s")
         self.epoch = int(self.store.get("epoch"))
         if restart:
             self.store.add("rejoins", 1)
@@ -602,7 +655,7 @@ class BroadcastWeightReceiver(_Channel):
         others = [r for r in range(self.world) if r != self.rank]
         _await_peers(self.store, others, self.rank, self.rendezvous_timeout_s, epoch)
         self.group = _make_group(self.store, self.rank, self.world, self.backend,
-                                 self.timeout_s, epoch, self.interface)
+                                 self.timeout_s, epoch, self.interface, self.rendezvous_timeout_s)
 
     def _report(self, state: str) -> None:
         assert self.store is not None

@@ -1,0 +1,105 @@
+"""Issue 45, failure 2: a role waiting in native code for its weight group (an actor gone
+while the group forms) still stops when asked, and never waits past its timeout.
+
+Real processes, real torch.distributed, 127.0.0.1 only. The trainer is the real CLI role
+(`pipelinerl trainer`) whose setup is cut down to `open_weight_sender`, where it hung; this
+test plays its one actor, which joins the rendezvous (`e0/peer/1`) and then never builds the
+group, so the trainer waits inside `ProcessGroupGloo(...)`.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from pipelinerl.ports import free_port
+from pipelinerl.sync.broadcast import _bounded
+
+_ROLE = """
+import sys
+import pipelinerl.trainer
+from pipelinerl.cli import run
+from pipelinerl.roles import open_weight_sender
+
+pipelinerl.trainer.run_trainer = open_weight_sender  # the trainer's setup, up to its weight group
+sys.argv = ["pipelinerl", "trainer", *sys.argv[1:]]
+run()
+"""
+
+
+def _start_trainer(tmp_path: Path, timeout_s: float) -> tuple[subprocess.Popen, dist.TCPStore]:
+    """The trainer role, waiting in its group's constructor for an actor that is gone."""
+    config = tmp_path / "config.yaml"
+    config.write_text("name: t\nmodel:\n  preset: tiny\neval:\n  enabled: false\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ROLE, str(config), f"output_dir={tmp_path}", "run_id=r1",
+         "sync.backend=broadcast", f"sync.init_method=tcp://127.0.0.1:{port}",
+         f"sync.timeout_s={timeout_s}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The actor: joins the rendezvous once the trainer hosts the store, then builds nothing.
+    deadline = time.monotonic() + 120  # the role's imports, on a loaded machine
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        try:
+            store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=1))
+            store.wait(["e0/peer/0"], timedelta(seconds=10))
+            break
+        except dist.DistError:
+            time.sleep(0.2)
+    store.set("e0/peer/1", "-1")
+    time.sleep(1.0)  # the trainer polls the rendezvous every 10 ms: it is in the constructor
+    assert proc.poll() is None, proc.communicate()[0]
+    return proc, store
+
+
+def test_a_native_call_past_its_timeout_is_abandoned_with_the_given_error() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="^the group did not form$"):
+        _bounded(lambda: time.sleep(30), 0.2, "the group did not form")
+    assert time.monotonic() - t0 < 0.2 + 3
+
+
+def test_a_native_call_s_own_error_reaches_the_caller() -> None:
+    def fail() -> None:
+        raise dist.DistError("wait timeout, keys: /pg0/0/1")
+
+    with pytest.raises(dist.DistError, match="keys: /pg0/0/1"):
+        _bounded(fail, 5, "unused")
+
+
+def test_the_trainer_whose_actor_left_during_group_formation_fails_within_the_timeout(
+        tmp_path: Path) -> None:
+    proc, store = _start_trainer(tmp_path, timeout_s=3)
+    t0 = time.monotonic()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out
+    assert time.monotonic() - t0 < 3 + 5, out
+    assert ("trainer (rank 0): the weight-sync group (epoch 0: the trainer and 1 actor(s)) did "
+            "not form within 3.0 s (sync.timeout_s)") in out, out
+    del store
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 130), (signal.SIGINT, 130)])
+def test_a_stop_signal_stops_the_trainer_waiting_for_its_group_at_once(
+        tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    # sync.timeout_s 60: before the fix the signal waited for the constructor to give up (60 s).
+    # A role stopped by either signal exits 130 today (cli._run_role), here as everywhere.
+    proc, store = _start_trainer(tmp_path, timeout_s=60)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 5, out
+    assert proc.returncode == code, out
+    assert "Traceback" not in out, out
+    del store
