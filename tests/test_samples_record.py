@@ -18,7 +18,7 @@ import torch
 
 from pipelinerl.batches import BatchSource
 from pipelinerl.config import Config, MetricsConfig, load_config
-from pipelinerl.metrics.logger import TABLE_COLUMNS, TABLE_ROWS, MetricsLogger
+from pipelinerl.metrics.logger import SAMPLE_TABLE, TABLE_COLUMNS, TABLE_ROWS, MetricsLogger
 from pipelinerl.models.tiny import build_char_tokenizer
 from pipelinerl.rl.advantages import groups_advantages
 from pipelinerl.rl.packing import pack, score_tokens
@@ -398,7 +398,7 @@ def test_tensorboard_gets_a_table_of_samples_each_step(tmp_path: Path) -> None:
     metrics.close()
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
-    texts = events.Tensors("samples/text_summary")
+    texts = events.Tensors(f"{SAMPLE_TABLE}/text_summary")
     assert [e.step for e in texts] == [1, 2]
     rows = read_samples(tmp_path)
     for event in texts:
@@ -425,8 +425,8 @@ def test_wandb_gets_a_table_of_samples_each_step(tmp_path: Path,
         (values, step)))
     train(config("trainer.max_steps=1"), tmp_path, [step_groups(0)], metrics=metrics)
     metrics.close()
-    ((values, step),) = [(v, s) for v, s in logged if "samples" in v]
-    table = values["samples"]
+    ((values, step),) = [(v, s) for v, s in logged if SAMPLE_TABLE in v]
+    table = values[SAMPLE_TABLE]
     assert step == 1 and isinstance(table, wandb.Table)
     assert table.columns == list(TABLE_COLUMNS) and len(table.data) == TABLE_ROWS
     first = read_samples(tmp_path)[0]

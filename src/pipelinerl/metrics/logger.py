@@ -17,6 +17,8 @@ METRICS = "metrics.jsonl"
 # A glance at what the model writes each step, where TensorBoard / W&B are on; the whole
 # record is samples.jsonl (pipelinerl.samples).
 TABLE_ROWS = 8
+# The tables' key: not "samples", the per-step count of samples trained in the same log.
+SAMPLE_TABLE = "sample_table"
 TABLE_CHARS = 300  # of a completion or problem: a table cell, not the text's home
 TABLE_COLUMNS = ("group_id", "problem", "completion", "reward", "advantage", "finish_reason",
                  "length")
@@ -72,12 +74,12 @@ class MetricsLogger:
             return
         rows = sample_table(groups)
         if self._tb is not None:
-            self._tb.add_text("samples", markdown_table(rows), step)
+            self._tb.add_text(SAMPLE_TABLE, markdown_table(rows), step)
         if self._wandb is not None:
             import wandb
 
             table = wandb.Table(columns=list(TABLE_COLUMNS), data=rows)
-            self._wandb.log({"samples": table}, step=step)
+            self._wandb.log({SAMPLE_TABLE: table}, step=step)
 
     def close(self) -> None:
         self._file.close()
