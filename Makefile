@@ -1,7 +1,7 @@
 # One command installs and runs the tests; .ci/run calls exactly `make test`.
 PY ?= python3
 
-.PHONY: install test test-slow test-vllm demo
+.PHONY: install test test-slow test-vllm test-browser demo redis sandbox
 
 install:
 	$(PY) -m pip install -q -e ".[test,math,reasoning-gym,verifiers,logging]"
@@ -11,7 +11,7 @@ install:
 # them idle (process start-up, waits). More than the cores slows every test's run towards its
 # timeouts, and each SmolLM2 test holds 3-4 GB (trainer with Adam, actor, evaluator).
 TEST_WORKERS ?= 2
-test: install redis
+test: install redis sandbox
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10
 	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --durations=20
 
@@ -24,6 +24,17 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,test]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm -p no:cacheprovider
+
+# The viewer's browser tests drive Debian's headless Chromium through its ChromeDriver.
+test-browser: install
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
+	$(PY) -m pip install -q -e ".[test,browser]"
+	$(PY) -m pytest -q -m browser -p no:cacheprovider
+
+# The sandbox (pipelinerl.sandbox) runs programs under bubblewrap (Debian's package).
+sandbox:
+	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap)
 
 # The Redis tests need a real redis-server binary; install it if missing (Debian/Ubuntu).
 redis:
