@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -31,6 +31,13 @@ from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.generation import sampling_from_config
 from pipelinerl.group_ids import format_group_id, next_restart, process_seed
 from pipelinerl.models.prompts import Codec, text_codec
+from pipelinerl.replay import (
+    ScoreQueue,
+    TrainerMirror,
+    check_deterministic_task,
+    request_seed,
+    use_deterministic_torch,
+)
 from pipelinerl.rl.advantages import zero_variance
 from pipelinerl.roles import (
     Control,
@@ -46,7 +53,14 @@ from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import make_train_task
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.environment import is_environment
-from pipelinerl.types import HEARTBEAT_S, GenerationOutput, GenerationRequest, Group, Sample
+from pipelinerl.types import (
+    HEARTBEAT_S,
+    GenerationOutput,
+    GenerationRequest,
+    Group,
+    Sample,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:  # imported when used: aiohttp costs 0.2-0.6 s (python -X importtime)
     from pipelinerl.endpoint import GenerateEndpoint
@@ -199,6 +213,15 @@ class Actor:
                                   cfg.actor.env_timeout_s, cfg.actor.env_workers)
                          if is_environment(task) else None)
         self.stats = ActorStats()
+        # Deterministic mode (pipelinerl.replay): weights, scores and the trainer's drops are
+        # taken at points of logical clocks.
+        self.mirror: TrainerMirror | None = None
+        self.score_queue: ScoreQueue | None = None
+        self._scored: dict[str, Scored] = {}  # scores in before their group is due
+        if cfg.deterministic.enabled:
+            check_deterministic_task(cfg, task)
+            self.mirror = TrainerMirror.of(cfg)
+            self.score_queue = ScoreQueue(cfg.deterministic.score_delay_steps)
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
         self.published = 0  # groups published, by earlier processes of this actor too
@@ -227,9 +250,14 @@ class Actor:
             while not self.streams.should_stop():
                 if max_groups is not None and self.stats.groups_published >= max_groups:
                     break
-                self.maybe_update_weights()
-                for scored in self.scorer.poll() if self.scorer else ():
-                    self.publish(scored)
+                if self.mirror is not None:
+                    self.publish_due_scores()
+                    if not self.land_due_weights():
+                        continue  # the trainer stopped while the actor waited
+                else:
+                    self.maybe_update_weights()
+                    for scored in self.scorer.poll() if self.scorer else ():
+                        self.publish(scored)
                 for finished in self.episodes.poll() if self.episodes else ():
                     self.on_episodes(finished)
                 if self.rollouts is not None:
@@ -325,6 +353,39 @@ class Actor:
         self.stats.last_update_pause_s = pause
         self.stats.total_update_pause_s += pause
 
+    def publish_due_scores(self) -> None:
+        """Deterministic mode: publish the groups whose scores are due by the decode clock,
+        in the order they were sent, waiting for their verifiers if need be."""
+        assert self.score_queue is not None and self.scorer is not None
+        for key in self.score_queue.due(self.stats.decode_steps, idle=self.in_flight == 0):
+            while key not in self._scored:
+                self._scored.update((s.key, s) for s in self.scorer.poll())
+                if key not in self._scored:
+                    self.scorer.wait(0.005)
+            self.publish(self._scored.pop(key))
+
+    def land_due_weights(self) -> bool:
+        """Deterministic mode: load the version the trainer mirror says is due, waiting for
+        the trainer to publish it; False if the trainer stopped meanwhile."""
+        assert self.mirror is not None
+        due = self.mirror.version_due()
+        receiver = self.streams.receiver
+        if receiver is None or due <= self.engine.version:
+            return True
+        t0 = time.monotonic()
+        while (available := receiver.poll()) != due:
+            if available is not None and available > due:
+                raise RuntimeError(f"the trainer published version {available} while the actor "
+                                   f"waited for {due}: deterministic mode's schedule is broken")
+            if self.streams.should_stop():
+                return False
+            time.sleep(0.002)
+        self.stats.idle_s += time.monotonic() - t0
+        self.maybe_update_weights()
+        if self.engine.version != due:
+            raise RuntimeError(f"loaded version {self.engine.version}, expected {due}")
+        return True
+
     def claimed(self) -> int:
         """This actor's places (see pipelinerl.admission)."""
         return self.published + len(self._groups)
@@ -333,7 +394,11 @@ class Actor:
         """Take the run's next place if the weights held admit it (Schedule, via the ledger).
         After a refusal, ask again only once the weights or the trainer's drops changed or
         0.1 s passed (another actor may have given a place back), not on every loop."""
-        limit, returned = self.schedule.limit(self.engine.version), self.streams.returned()
+        limit = self.schedule.limit(self.engine.version)
+        if self.mirror is not None:  # the drops the trainer will make, not those it said yet
+            return self.streams.ledger.claim(self.actor_id, self.claimed() + 1,
+                                             self.mirror.dropped, limit)
+        returned = self.streams.returned()
         refused = self._refused
         if refused is not None and refused[:2] == (limit, returned) and time.monotonic() - refused[2] < 0.1:
             return False
@@ -405,10 +470,16 @@ class Actor:
             if self.rollouts is not None:
                 request = self.rollouts.request(rid, problem, prompt_ids)
             else:
-                request = GenerationRequest(rid, list(prompt_ids), self.sampling)
+                request = GenerationRequest(rid, list(prompt_ids), self._sampling_of(group_id, i))
             self.engine.add_request(request)
         self.in_flight += self.group_size
         return True
+
+    def _sampling_of(self, group_id: str, attempt: int) -> SamplingParams:
+        """Deterministic mode: each attempt draws from a sampler of its own."""
+        if self.mirror is None:
+            return self.sampling
+        return replace(self.sampling, seed=request_seed(self.cfg.seed, group_id, attempt))
 
     def _new_group_id(self) -> str:
         self._next_group += 1
@@ -452,6 +523,8 @@ class Actor:
             self._drop(pending, group.failure)
             return
         pending.outputs = group.attempts  # held, with its place, until its scores are in
+        if self.score_queue is not None:
+            self.score_queue.expect(group.key, self.stats.decode_steps)
 
     def publish(self, scored: Scored) -> None:
         pending = self._groups.pop(scored.key)
@@ -498,6 +571,8 @@ class Actor:
         )
         self.streams.writer.write(group.to_dict())
         self._last_write = time.monotonic()
+        if self.mirror is not None:
+            self.mirror.add(group)
 
 
 def open_endpoint(cfg: Config, actor_id: int, tokenizer: PreTrainedTokenizerBase,
@@ -545,6 +620,8 @@ def run_actor(cfg: Config, actor_id: int) -> None:
     """Actor process `actor_id` of the run: build it, run it until the trainer stops, close."""
     _check_actor_id(cfg, actor_id)
     torch.set_num_threads(cfg.actor.threads)
+    if cfg.deterministic.enabled:
+        use_deterministic_torch()
     task = _train_task(cfg, actor_id)
     codec, tokenizer = text_codec(cfg, cfg.model.path)
     control = Control(open_control_reader(cfg), cfg.attempt)

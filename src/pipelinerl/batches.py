@@ -114,7 +114,7 @@ class BatchSource:
                             "so it comes from another run; is run_id shared?",
                             group.group_id, newest, step)
             return "negative_lag"
-        if self.max_lag is not None and step - _oldest_version(group) > self.max_lag:
+        if is_stale(group, step, self.max_lag):
             return "stale"
         return None
 
@@ -203,6 +203,12 @@ class BatchSource:
 def stale_bound(cfg: Config) -> int | None:
     """The lag past which the trainer drops a group (None: it drops none for staleness)."""
     return cfg.actor.max_lag if cfg.mode == "pipeline" and cfg.trainer.drop_stale else None
+
+
+def is_stale(group: Group, step: int, max_lag: int | None) -> bool:
+    """Whether the trainer at `step` drops `group` for its lag (None: no bound). Deterministic
+    mode's actor applies it too (pipelinerl.replay.TrainerMirror)."""
+    return max_lag is not None and step - _oldest_version(group) > max_lag
 
 
 def _oldest_version(group: Group) -> int:

@@ -312,6 +312,20 @@ class MetricsConfig(_Section):
     samples_max_mb: float = Field(default=64.0, gt=0)
 
 
+class DeterministicConfig(_Section):
+    """Runs that replay bit for bit (docs/determinism.md): weights land in the engine and scores
+    reach the trainer at points set by logical clocks, not by wall-clock."""
+
+    enabled: bool = False
+    # Version v lands in the engine once the trainer could train it: at the decode-step boundary
+    # where this many groups past the v * K (K = groups per step) the trainer will have used are
+    # published. 0: the actor waits while the trainer trains; up to K * publish_every - 1.
+    lag_groups: int = Field(default=0, ge=0)
+    # A group's scores are taken this many decode steps after its last attempt finished (the
+    # verifiers work meanwhile), at once when nothing is left to decode.
+    score_delay_steps: int = Field(default=4, ge=0)
+
+
 class Config(_Section):
     name: str = "run"
     output_dir: str = "runs"
@@ -338,6 +352,7 @@ class Config(_Section):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Config":
@@ -380,11 +395,57 @@ class Config(_Section):
         if self.eval.enabled and self.task.heldout_frac == 0:
             raise ValueError("eval.enabled=true needs task.heldout_frac > 0: evaluation draws "
                              "only problems that training never sees")
+        if self.deterministic.enabled:
+            self._check_deterministic()
         return self
+
+    def _check_deterministic(self) -> None:
+        """Refuse, naming the key, what deterministic mode does not replay yet."""
+        for key, refused, why in _not_yet_deterministic(self):
+            if refused:
+                raise ValueError(f"deterministic.enabled=true with {key}: {why} "
+                                 "(not yet deterministic, docs/determinism.md)")
+        per_step = self.trainer.batch_size // self.actor.group_size
+        every = self.conventional_g if self.mode == "conventional" else self.trainer.publish_every
+        # Version v + every must not be trainable before the actor waits for v: else the
+        # channel could hold a newer version than the one the logical clock asks for.
+        most = per_step * every - 1
+        if self.mode == "conventional":
+            most = 0  # a round's groups are all admitted under one version: no group past it
+        else:  # the actor must be able to publish them under the staleness bound
+            most = min(most, (self.actor.max_lag + 1 - every) * per_step)
+        if self.deterministic.lag_groups > most:
+            raise ValueError(
+                f"deterministic.lag_groups ({self.deterministic.lag_groups}) must be at most "
+                f"{most} here (groups per step {per_step}, publish_every {every}, actor.max_lag "
+                f"{self.actor.max_lag}, mode {self.mode}): past it the trainer could publish a "
+                "newer version before the actor asks for this one, or the staleness bound "
+                "would stop the actor before it publishes the groups it waits on")
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+
+def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
+    """(key, whether this config sets it, why) of the settings deterministic mode refuses."""
+    return [
+        ("actor.num_actors", cfg.actor.num_actors > 1,
+         "several actors share places in the order their processes reach the ledger"),
+        ("actor.max_restarts", cfg.actor.max_restarts > 0,
+         "a restarted actor's groups depend on when it died; set actor.max_restarts=0"),
+        ("actor.endpoint_port", cfg.actor.endpoint_port is not None,
+         "HTTP clients' requests join the batch when they arrive"),
+        ("stream.backend", cfg.stream.backend != "local", "only the local stream is replayed"),
+        ("sync.backend", cfg.sync.backend != "shm", "only shm weights are replayed"),
+        ("engine.backend", cfg.engine.backend != "torch", "only the torch engine is replayed"),
+        ("trainer.num_procs", cfg.trainer.num_procs > 1, "one trainer rank only"),
+        ("trainer.max_time_s", cfg.trainer.max_time_s > 0,
+         "a wall-clock budget ends the run after a varying step; bound it by trainer.max_steps"),
+        ("trainer.max_restarts", cfg.trainer.max_restarts > 0, "resumes are not replayed yet"),
+        ("attempt", cfg.attempt > 0, "a resumed run (--resume) is not replayed yet"),
+        ("eval.enabled", cfg.eval.enabled, "the evaluator takes versions when they arrive"),
+    ]
 
 
 class ConfigError(ValueError):

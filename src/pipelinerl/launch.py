@@ -304,6 +304,10 @@ def check_task(cfg: Config) -> None:
     try:
         task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
         check_sendable(task)
+        if cfg.deterministic.enabled:
+            from pipelinerl.replay import check_deterministic_task  # torch: deterministic runs only
+
+            check_deterministic_task(cfg, task)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"pipelinerl: {e}") from e
     if getattr(task, "episodic", False):

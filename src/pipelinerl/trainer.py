@@ -46,6 +46,7 @@ from pipelinerl.parallel import (
 )
 from pipelinerl.process_group import call_to_publish, init_distributed, rank0_says, share_groups
 from pipelinerl.records import open_resumed, read_rows
+from pipelinerl.replay import use_deterministic_torch, weights_sha256
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.rl.step import rl_step
@@ -106,6 +107,8 @@ class TrainerRun:
         """Ranks, rank 0's records, the model, rank 0's channels, the trainer, the resume."""
         torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
+        if cfg.deterministic.enabled:
+            use_deterministic_torch()
         rank, world, device = join_ranks(cfg)
         is_main = rank == 0
         # A resumed run (attempt > 0) continues from its newest complete checkpoint, or from the
@@ -223,6 +226,8 @@ class TrainerRun:
             # the final weights are on disk, so a slow save is never cut short. The last
             # checkpoint lets `--resume` extend a finished run.
             save_final(self.cfg, self.model, self.tokenizer, self.is_main)
+            if self.cfg.deterministic.enabled and self.is_main:
+                write_weights_hash(self.cfg.run_dir, trainer_weights(self.trainer.model))
             if trainer.step % self.round_steps == 0 and self.due.last_step != trainer.step:
                 trainer.save_checkpoint(self.tokenizer)
             # The evaluator takes the final weights from the channel once the stop record
@@ -611,6 +616,13 @@ def save_final(cfg: Config, model: torch.nn.Module, tokenizer: Any, is_main: boo
     final = save_model(to_save(model, cfg.run_dir / "final_adapter"),
                        tokenizer, cfg.run_dir / "final", state_dict=state)
     log.info("saved final weights to %s", final)
+
+
+def write_weights_hash(run_dir: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Deterministic mode: the final weights' hash in weights.sha256, for comparing replays."""
+    digest = weights_sha256(weights)
+    (run_dir / "weights.sha256").write_text(digest + "\n")
+    log.info("final weights sha256 %s", digest)
 
 
 def _plot(cfg: Config, metrics_path: Path) -> None:

@@ -1,0 +1,254 @@
+"""Deterministic mode (deterministic.enabled, docs/determinism.md): two launched runs of one
+config replay bit for bit; the actor's logical clocks against the trainer's own rules; the
+free-running actor left as it was; settings not yet replayed refused naming their key."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_tasks import FakeTask
+import torch
+from test_actor import FakeEngine, FakeReceiver, ListWriter, decode, encode, stop_after
+from test_schedule import _ListReader
+
+from pipelinerl.actor import Actor, Streams
+from pipelinerl.admission import MemoryLedger
+from pipelinerl.batches import BatchSource
+from pipelinerl.config import Config, ConfigError, load_config
+from pipelinerl.launch import launch
+from pipelinerl.models.hf import load_model
+from pipelinerl.models.prompts import Codec
+from pipelinerl.replay import (
+    WALL_CLOCK_FIELDS,
+    ScoreQueue,
+    TrainerMirror,
+    check_deterministic_task,
+    request_seed,
+    weights_sha256,
+)
+from pipelinerl.tasks import make_train_task
+from pipelinerl.types import Group, Sample
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
+
+
+# ---- two runs, the same bits ------------------------------------------------------------------
+
+
+def _run(tmp_path: Path, cache: Path, name: str) -> Path:
+    cfg = load_config(EXAMPLE, [
+        f"name={name}", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={cache}",
+        "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
+        "actor.group_size=4", "actor.max_lag=2", "actor.max_restarts=0",
+        "trainer.batch_size=16", "trainer.max_steps=4", "trainer.max_time_s=0",
+        "trainer.sample_timeout_s=120", "stream.keep_all=true",
+        "metrics.progress=false", "metrics.plot=false", "metrics.samples_per_step=-1",
+        "deterministic.enabled=true", "deterministic.lag_groups=2",
+        # Weights move even where every reward of a group is equal (a 20-step warm start
+        # rarely solves a problem): the entropy bonus has a gradient of its own.
+        "trainer.loss.entropy_coef=0.01",
+        "task.params={min_terms: 2, max_terms: 2, max_operand: 3}",
+    ])
+    assert launch(cfg) == 0
+    return cfg.run_dir
+
+
+def _rollouts(run_dir: Path) -> list[dict[str, Any]]:
+    """The actor's groups as written, its clock-measured stats left out."""
+    (path,) = run_dir.glob("streams/*/rollouts/actor_0.jsonl")
+    groups = [json.loads(line) for line in path.read_text().splitlines()]
+    groups = [g for g in groups if not g.get("heartbeat")]
+    for g in groups:
+        g["actor_stats"] = {k: v for k, v in g["actor_stats"].items()
+                            if f"actor_{k}" not in WALL_CLOCK_FIELDS}
+    return groups
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in WALL_CLOCK_FIELDS} for row in rows]
+
+
+def test_two_runs_of_one_config_replay_bit_for_bit(tmp_path, warm_cache):
+    first, second = (_run(tmp_path, warm_cache, name) for name in ("first", "second"))
+    groups = _rollouts(first)
+    assert groups == _rollouts(second)  # tokens, versions, engine log-probs, rewards, order
+    for name in ("samples.jsonl", "trained.jsonl"):
+        assert (first / name).read_text() == (second / name).read_text()
+    assert _metrics(first) == _metrics(second)
+    assert [r["step"] for r in _metrics(first)] == [1, 2, 3, 4]
+    digest = (first / "weights.sha256").read_text().strip()
+    assert digest == (second / "weights.sha256").read_text().strip()
+    final = load_model(first / "final", dtype=torch.float32, device="cpu")
+    assert digest == weights_sha256(final.state_dict())
+    assert all(r["grad_norm"] > 0 for r in _metrics(first))
+    # Still a pipeline: weights landed in the middle of generations, so some completions
+    # hold tokens of two versions, and groups were trained with lag.
+    versions = [set(s["versions"]) for g in groups for s in g["samples"]]
+    assert any(len(v) > 1 for v in versions)
+    assert max(r["lag_max"] for r in _metrics(first)) >= 1
+    assert _metrics(first)[-1]["actor_weight_updates"] >= 2
+
+
+# ---- the trainer mirror, the score queue, the seeds -------------------------------------------
+
+
+def _group(gid: str, oldest: int, newest: int = 0) -> Group:
+    samples = [Sample([1], [2, 3], [-0.1, -0.2], [oldest, max(oldest, newest)], 1.0, True,
+                      "stop", gid) for _ in range(2)]
+    return Group(gid, "p", samples)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_mirror_predicts_the_trainers_batches_and_drops(seed):
+    rng = random.Random(seed)
+    per_step, max_lag = 3, 2
+    mirror = TrainerMirror(per_step, max_lag, publish_every=1, lag_groups=0)
+    groups, kept, dropped = [], [], []
+    for i in range(60):
+        step = mirror.usable // per_step
+        group = _group(f"g{i}", rng.randint(max(0, step - max_lag - 2), step), newest=step)
+        groups.append(group)
+        before = mirror.usable
+        mirror.add(group)
+        (kept if mirror.usable > before else dropped).append(group.group_id)
+    assert mirror.dropped == len(dropped) > 0
+    source = BatchSource(_ListReader([g.to_dict() for g in groups]), group_size=2,
+                         max_lag=max_lag, timeout_s=1.0)
+    steps = mirror.usable // per_step
+    trained = [g.group_id for step in range(steps) for g in source.take(per_step, step)]
+    assert trained == kept[:steps * per_step]
+    # The trainer looked at the groups up to the last it trained: the mirror's drops among them.
+    looked_at = {g.group_id for g in groups[:[g.group_id for g in groups].index(trained[-1])]}
+    assert source.dropped == {"stale": len(looked_at & set(dropped))}
+
+
+def test_versions_fall_due_after_the_groups_that_train_them_and_the_lag():
+    mirror = TrainerMirror(per_step=2, max_lag=None, publish_every=2, lag_groups=1)
+    due = []
+    for i in range(10):
+        mirror.add(_group(f"g{i}", 0))
+        due.append(mirror.version_due())
+    # Version 2 (published every 2 steps of 2 groups) once 2 * 2 + 1 groups are in; 4 at 9.
+    assert due == [0, 0, 0, 0, 2, 2, 2, 2, 4, 4]
+
+
+def test_scores_come_in_send_order_at_their_step_or_all_when_idle():
+    queue = ScoreQueue(delay=3)
+    queue.expect("a", 0)
+    queue.expect("b", 1)
+    queue.expect("c", 5)
+    assert queue.due(2, idle=False) == []
+    assert queue.due(4, idle=False) == ["a", "b"]
+    assert queue.due(4, idle=True) == ["c"]
+
+
+def test_request_seeds_differ_by_group_attempt_and_seed_and_repeat():
+    seeds = {request_seed(s, g, a) for s in (0, 1) for g in ("a0-g0", "a0-g1") for a in (0, 1)}
+    assert len(seeds) == 8 and all(0 <= x < 2**63 for x in seeds)
+    assert request_seed(7, "a0-g3", 2) == request_seed(7, "a0-g3", 2)
+
+
+# ---- the actor: free-running untouched, deterministic at its logical points -------------------
+
+
+class _WeightEngine(FakeEngine):
+    """A fake engine that takes weights and remembers each request's sampler seed."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=4, length=3)
+        self.seeds: list[int | None] = []
+
+    def add_request(self, request) -> None:
+        self.seeds.append(request.params.seed)
+        super().add_request(request)
+
+    def receive_weights(self, receive) -> int:
+        self.version = receive({})
+        return self.version
+
+
+def _actor(deterministic: bool) -> tuple[Actor, _WeightEngine]:
+    cfg = Config(trainer={"batch_size": 4}, engine={"max_new_tokens": 8, "max_seq_len": 40},
+                 actor={"group_size": 2, "max_lag": 1, "verifier_workers": 1,
+                        "max_restarts": 0},
+                 deterministic={"enabled": deterministic})
+    engine = _WeightEngine()
+    # The trainer is "ahead": version 1 waits in the channel from the start.
+    streams = Streams(ListWriter(), FakeReceiver([1]), MemoryLedger(), stop_after(30))
+    actor = Actor(cfg, engine, FakeTask(), Codec(encode, decode, encode, stop_ids=(0,)), streams)
+    return actor, engine
+
+
+def test_free_running_takes_weights_on_arrival_and_the_engines_draws():
+    actor, engine = _actor(deterministic=False)
+    actor.run(max_groups=4)
+    assert set(engine.seeds) == {None}
+    # Loaded before the first group started: every token is of version 1.
+    assert {v for g in actor.streams.writer.records for s in g["samples"]
+            for v in s["versions"]} == {1}
+
+
+def test_deterministic_takes_weights_once_the_trainer_could_have_made_them():
+    actor, engine = _actor(deterministic=True)
+    actor.run(max_groups=4)
+    records = actor.streams.writer.records
+    # Version 1 trains on the first 2 groups: they, and every group started before they were
+    # published, are of version 0; the actor then loaded it and later groups are of version 1.
+    first_two = {v for g in records[:2] for s in g["samples"] for v in s["versions"]}
+    assert first_two == {0} and engine.version == 1
+    assert 1 in {v for g in records[2:] for s in g["samples"] for v in s["versions"]}
+    assert engine.seeds == [request_seed(0, f"a0-g{i // 2}", i % 2)
+                            for i in range(len(engine.seeds))]
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor.num_actors=2", "actor.num_actors"),
+    ("actor.max_restarts=3", "actor.max_restarts"),
+    ("actor.endpoint_port=8000", "actor.endpoint_port"),
+    ("stream.backend=redis", "stream.backend"),
+    ("sync.backend=broadcast", "sync.backend"),
+    ("engine.backend=vllm", "engine.backend"),
+    ("trainer.num_procs=2", "trainer.num_procs"),
+    ("trainer.max_time_s=60", "trainer.max_time_s"),
+    ("trainer.max_restarts=1", "trainer.max_restarts"),
+    ("attempt=1", "attempt"),
+    ("eval.enabled=true", "eval.enabled"),
+    ("deterministic.lag_groups=8", "deterministic.lag_groups"),
+])
+def test_settings_not_yet_replayed_are_refused_naming_their_key(override, key):
+    base = ["deterministic.enabled=true", "actor.max_restarts=0", "trainer.batch_size=16",
+            "actor.group_size=4", "actor.max_lag=4"]
+    with pytest.raises(ConfigError, match=f"deterministic.enabled=true with {key}|{key} "):
+        load_config(None, [*base, override])
+    load_config(None, [*base[1:], override] if key != "deterministic.lag_groups" else base)
+
+
+def test_lag_groups_is_bounded_by_the_step_and_the_staleness_bound():
+    def cfg(*extra: str) -> Config:
+        return load_config(None, ["deterministic.enabled=true", "actor.max_restarts=0",
+                                  "trainer.batch_size=16", "actor.group_size=4", *extra])
+
+    assert cfg("deterministic.lag_groups=3", "actor.max_lag=1").deterministic.lag_groups == 3
+    with pytest.raises(ConfigError, match="deterministic.lag_groups .4. must be at most 3"):
+        cfg("deterministic.lag_groups=4", "actor.max_lag=1")
+    with pytest.raises(ConfigError, match="at most 0"):  # max_lag 0: nothing past the step
+        cfg("deterministic.lag_groups=1", "actor.max_lag=0")
+    with pytest.raises(ConfigError, match="at most 0"):  # a round is admitted whole
+        cfg("deterministic.lag_groups=1", "mode=conventional")
+
+
+def test_an_environment_task_is_refused_naming_the_task():
+    cfg = load_config(None, ["deterministic.enabled=true", "actor.max_restarts=0",
+                             "task.name=calculator"])
+    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
+    with pytest.raises(ValueError, match="task.name='calculator'"):
+        check_deterministic_task(cfg, task)
+    check_deterministic_task(cfg, make_train_task("arithmetic", {}, 0.0))
