@@ -92,6 +92,10 @@ def test_two_runs_of_one_config_replay_bit_for_bit(tmp_path, warm_cache):
     assert any(len(v) > 1 for v in versions)
     assert max(r["lag_max"] for r in _metrics(first)) >= 1
     assert _metrics(first)[-1]["actor_weight_updates"] >= 2
+    # Nothing past the trainer's last step: when the stop record arrives is timing.
+    trained = [json.loads(line) for line in (first / "trained.jsonl").read_text().splitlines()]
+    assert len(groups) == sum(len(r["trained"]) + sum(map(len, r["dropped"].values()))
+                              for r in trained)
 
 
 # ---- the trainer mirror, the score queue, the seeds -------------------------------------------
@@ -107,7 +111,7 @@ def _group(gid: str, oldest: int, newest: int = 0) -> Group:
 def test_the_mirror_predicts_the_trainers_batches_and_drops(seed):
     rng = random.Random(seed)
     per_step, max_lag = 3, 2
-    mirror = TrainerMirror(per_step, max_lag, publish_every=1, lag_groups=0)
+    mirror = TrainerMirror(per_step, max_lag, publish_every=1, lag_groups=0, max_steps=100)
     groups, kept, dropped = [], [], []
     for i in range(60):
         step = mirror.usable // per_step
@@ -128,13 +132,16 @@ def test_the_mirror_predicts_the_trainers_batches_and_drops(seed):
 
 
 def test_versions_fall_due_after_the_groups_that_train_them_and_the_lag():
-    mirror = TrainerMirror(per_step=2, max_lag=None, publish_every=2, lag_groups=1)
-    due = []
+    mirror = TrainerMirror(per_step=2, max_lag=None, publish_every=2, lag_groups=1,
+                           max_steps=5)
+    due, done = [], []
     for i in range(10):
         mirror.add(_group(f"g{i}", 0))
         due.append(mirror.version_due())
+        done.append(mirror.done())
     # Version 2 (published every 2 steps of 2 groups) once 2 * 2 + 1 groups are in; 4 at 9.
     assert due == [0, 0, 0, 0, 2, 2, 2, 2, 4, 4]
+    assert done == [False] * 9 + [True]  # 5 steps of 2 groups
 
 
 def test_scores_come_in_send_order_at_their_step_or_all_when_idle():

@@ -421,7 +421,7 @@ class Actor:
             self.in_flight += 1
 
     def fill(self) -> None:
-        if self.needs_weights:
+        if self.needs_weights or (self.mirror is not None and self.mirror.done()):
             return
         long_in_a_row = 0
         while self._room_for_a_group() and self.claim_place():
@@ -556,6 +556,9 @@ class Actor:
                                                                loss.truncated_reward):
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
             self._drop(pending, "zero_variance")
+            return
+        if self.mirror is not None and self.mirror.done():
+            # No step trains it, and whether it comes before the stop record is timing.
             return
         self.stats.groups_published += 1
         self.published += 1

@@ -71,13 +71,15 @@ def weights_sha256(weights: Mapping[str, torch.Tensor]) -> str:
 class TrainerMirror:
     """The trainer's reading of this actor's groups, replayed in the actor: it takes them in
     publish order, drops those past `max_lag` (None: none) at the step it would train them,
-    and publishes every `publish_every` steps of `per_step` groups. Version v is due in the
-    engine once `lag_groups` groups past the v * per_step usable ones are published."""
+    and publishes every `publish_every` steps of `per_step` groups, `max_steps` of them.
+    Version v is due in the engine once `lag_groups` groups past the v * per_step usable ones
+    are published."""
 
     def __init__(self, per_step: int, max_lag: int | None, publish_every: int,
-                 lag_groups: int) -> None:
+                 lag_groups: int, max_steps: int) -> None:
         self.per_step, self.max_lag = per_step, max_lag
         self.publish_every, self.lag_groups = publish_every, lag_groups
+        self.max_steps = max_steps
         self.usable = 0  # groups the trainer will train
         self.dropped = 0  # groups it will drop, giving their places back
 
@@ -87,7 +89,7 @@ class TrainerMirror:
         return cls(per_step=cfg.trainer.batch_size // cfg.actor.group_size,
                    max_lag=stale_bound(cfg),
                    publish_every=cfg.conventional_g if conventional else cfg.trainer.publish_every,
-                   lag_groups=cfg.deterministic.lag_groups)
+                   lag_groups=cfg.deterministic.lag_groups, max_steps=cfg.trainer.max_steps)
 
     def add(self, group: Group) -> None:
         """A group published, in stream order."""
@@ -95,6 +97,10 @@ class TrainerMirror:
             self.dropped += 1
         else:
             self.usable += 1
+
+    def done(self) -> bool:
+        """Whether the trainer has every group its last step trains."""
+        return self.usable >= self.max_steps * self.per_step
 
     def version_due(self) -> int:
         """The newest version the actor must hold now."""

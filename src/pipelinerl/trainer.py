@@ -520,9 +520,18 @@ class Trainer:
             **{f"dropped_{k}": v for k, v in self.source.dropped.items()},
             **metrics,
         }
-        record.update(_aggregate_actor_stats(self.source.actor_stats))
+        record.update(_aggregate_actor_stats(self.actor_stats(groups)))
         self.last_record = (elapsed, self.source.wait_s)
         return record
+
+    def actor_stats(self, groups: list[Group]) -> dict[int, dict[str, float]]:
+        """Each actor's latest stats: as last read from the stream, or, in deterministic mode,
+        as of the last of its groups in this step (how far the stream was read is timing)."""
+        assert self.source is not None
+        if not self.cfg.deterministic.enabled:
+            return self.source.actor_stats
+        return {g.actor_id: g.actor_stats for g in groups}
+
 
 def reference_model(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
     """The KL penalty's reference: the starting model, frozen, laid out like `model`."""
