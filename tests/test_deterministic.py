@@ -179,14 +179,16 @@ class _WeightEngine(FakeEngine):
         return self.version
 
 
-def _actor(deterministic: bool) -> tuple[Actor, _WeightEngine]:
+def _actor(deterministic: bool, lag_groups: int = 0, writer: Any = None,
+           published: list[int] | None = None) -> tuple[Actor, _WeightEngine]:
     cfg = Config(trainer={"batch_size": 4}, engine={"max_new_tokens": 8, "max_seq_len": 40},
                  actor={"group_size": 2, "max_lag": 1, "verifier_workers": 1,
                         "max_restarts": 0},
-                 deterministic={"enabled": deterministic})
+                 deterministic={"enabled": deterministic, "lag_groups": lag_groups})
     engine = _WeightEngine()
-    # The trainer is "ahead": version 1 waits in the channel from the start.
-    streams = Streams(ListWriter(), FakeReceiver([1]), MemoryLedger(), stop_after(30))
+    # By default the trainer is "ahead": version 1 waits in the channel from the start.
+    streams = Streams(writer or ListWriter(), FakeReceiver(published or [1]), MemoryLedger(),
+                      stop_after(30))
     actor = Actor(cfg, engine, FakeTask(), Codec(encode, decode, encode, stop_ids=(0,)), streams)
     return actor, engine
 
@@ -211,6 +213,38 @@ def test_deterministic_takes_weights_once_the_trainer_could_have_made_them():
     assert 1 in {v for g in records[2:] for s in g["samples"] for v in s["versions"]}
     assert engine.seeds == [request_seed(0, f"a0-g{i // 2}", i % 2)
                             for i in range(len(engine.seeds))]
+
+
+class _InstantTrainer(ListWriter):
+    """The fastest trainer there can be: it publishes version v the moment the v * 2-th
+    group is written (2 groups a step, none stale), and notes the engine's version then."""
+
+    def __init__(self, engine_version: Any) -> None:
+        super().__init__()
+        self.published = [0]
+        self.engine_version = engine_version
+        self.versions_at_write: list[int] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        super().write(record)
+        if not record.get("heartbeat"):
+            self.versions_at_write.append(self.engine_version())
+            self.published[0] = len(self.records) // 2
+
+
+def test_a_trainer_that_is_never_behind_never_overtakes_the_logical_clock():
+    # Groups of one admission finish in the same decode step and are published in one turn:
+    # the version each makes due is loaded before the next is published, so the channel
+    # never holds a newer version than the one the actor waits for (which it refuses).
+    engine_box: list[_WeightEngine] = []
+    trainer = _InstantTrainer(lambda: engine_box[0].version)
+    actor, engine = _actor(True, lag_groups=1, writer=trainer, published=trainer.published)
+    engine_box.append(engine)
+    actor.run(max_groups=12)
+    assert len(trainer.records) == 12
+    # Version v is due once 2 v + 1 groups are published: group n (1-based) is written
+    # holding the version due after n - 1 groups.
+    assert trainer.versions_at_write == [max(n - 2, 0) // 2 for n in range(1, 13)]
 
 
 # ---- refusals ---------------------------------------------------------------------------------

@@ -252,8 +252,6 @@ class Actor:
                     break
                 if self.mirror is not None:
                     self.publish_due_scores()
-                    if not self.land_due_weights():
-                        continue  # the trainer stopped while the actor waited
                 else:
                     self.maybe_update_weights()
                     for scored in self.scorer.poll() if self.scorer else ():
@@ -364,27 +362,27 @@ class Actor:
                     self.scorer.wait(0.005)
             self.publish(self._scored.pop(key))
 
-    def land_due_weights(self) -> bool:
-        """Deterministic mode: load the version the trainer mirror says is due, waiting for
-        the trainer to publish it; False if the trainer stopped meanwhile."""
+    def land_due_weights(self) -> None:
+        """Deterministic mode, after each group published: load the version the trainer
+        mirror says is now due, waiting for the trainer to publish it (or to stop). Right
+        after the group that makes it due, so the trainer cannot have gone past it yet."""
         assert self.mirror is not None
         due = self.mirror.version_due()
         receiver = self.streams.receiver
         if receiver is None or due <= self.engine.version:
-            return True
+            return
         t0 = time.monotonic()
         while (available := receiver.poll()) != due:
             if available is not None and available > due:
                 raise RuntimeError(f"the trainer published version {available} while the actor "
                                    f"waited for {due}: deterministic mode's schedule is broken")
             if self.streams.should_stop():
-                return False
+                return
             time.sleep(0.002)
         self.stats.idle_s += time.monotonic() - t0
         self.maybe_update_weights()
         if self.engine.version != due:
             raise RuntimeError(f"loaded version {self.engine.version}, expected {due}")
-        return True
 
     def claimed(self) -> int:
         """This actor's places (see pipelinerl.admission)."""
@@ -576,6 +574,7 @@ class Actor:
         self._last_write = time.monotonic()
         if self.mirror is not None:
             self.mirror.add(group)
+            self.land_due_weights()
 
 
 def open_endpoint(cfg: Config, actor_id: int, tokenizer: PreTrainedTokenizerBase,
