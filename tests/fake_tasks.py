@@ -50,6 +50,14 @@ class FakeTask:
         return Score(float(len(completion) % 2), len(completion) % 2 == 1)
 
 
+class OutcomeTask(FakeTask):
+    """Scores as FakeTask does, saying why: "odd" or "even" (the completion's length)."""
+
+    def score(self, problem: Problem, completion: str) -> Score:
+        score = super().score(problem, completion)
+        return Score(score.reward, score.success, "odd" if score.success else "even")
+
+
 class DiesAtStartTask(FakeTask):
     """Kills the verifier worker that unpickles it: always, or only the first one (it leaves
     a mark in `mark_dir`). A worker dying at start makes pebble mark its pool broken."""

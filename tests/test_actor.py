@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from fake_tasks import DiesAtStartTask, FakeTask
+from fake_tasks import DiesAtStartTask, FakeTask, OutcomeTask
 from tiny_models import VOCAB, tiny_hf_model
 
 from pipelinerl.admission import LocalLedger, MemoryLedger
@@ -302,6 +302,20 @@ def test_zero_variance_groups_are_dropped_counted_and_replaced(drop: bool):
     # As the trainer's metrics show it: the last group published carries both drops.
     last = max(records, key=lambda g: g["actor_stats"]["groups_published"])
     assert _aggregate_actor_stats({0: last["actor_stats"]})["actor_skipped_zero_variance"] == 2
+
+
+def test_scores_outcomes_are_counted_and_summed_over_actors():
+    from pipelinerl.trainer import _aggregate_actor_stats
+
+    schedule = Schedule(batch_size=8, group_size=2, max_lag=0)
+    actor = make_actor(ParityEngine(capacity=8), OutcomeTask(), schedule)
+    actor.run(max_groups=4)
+    records = actor.streams.writer.records
+    rewards = [s["reward"] for g in records for s in g["samples"]]
+    assert actor.stats.outcomes == {"odd": rewards.count(1.0), "even": rewards.count(0.0)}
+    last = max(records, key=lambda g: g["actor_stats"]["groups_published"])["actor_stats"]
+    summed = _aggregate_actor_stats({0: last, 1: last})
+    assert summed["actor_outcome_odd"] + summed["actor_outcome_even"] == 2 * 8
 
 
 # ---- scoring off the decode path ---------------------------------------------------------

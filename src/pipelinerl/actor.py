@@ -143,6 +143,7 @@ class ActorStats:
     groups_published: int = 0
     skipped: Counter = field(default_factory=Counter)
     skipped_ids: defaultdict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    outcomes: Counter = field(default_factory=Counter)  # scores' outcomes, where a task says
 
     def skip(self, reason: str, problem_id: str) -> None:
         self.skipped[reason] += 1
@@ -175,6 +176,7 @@ class ActorStats:
             "version": version,
             "groups_published": self.groups_published,
             **{f"skipped_{reason}": count for reason, count in self.skipped.items()},
+            **{f"outcome_{outcome}": count for outcome, count in self.outcomes.items()},
         }
 
 
@@ -529,6 +531,7 @@ class Actor:
         if scored.scores is None:
             self._drop(pending, scored.reason)
             return
+        self.stats.outcomes.update(score.outcome for score in scored.scores if score.outcome)
         samples = [to_sample(out, score, scored.key, self.actor_id)
                    for out, score in zip(pending.outputs, scored.scores)]
         self._publish_samples(scored.key, pending, samples)

@@ -603,14 +603,14 @@ def advance_progress(bar: tqdm, cfg: Config, elapsed_s: float) -> None:
 
 
 def _aggregate_actor_stats(per_actor: dict[int, dict[str, float]]) -> dict[str, float]:
-    """The actors' latest stats as one `actor_<key>` each: rates and counts summed over the
-    actors, the rest averaged."""
+    """The actors' latest stats as one `actor_<key>` each: rates and counts (skips, scores'
+    outcomes) summed over the actors, the rest averaged."""
     summed = ("tokens_per_s", "weight_updates", "groups_published")
     stats = list(per_actor.values())
     combined: dict[str, float] = {}
     for key in {k for actor in stats for k in actor}:
         values = [actor.get(key, 0.0) for actor in stats]
-        total = key in summed or key.startswith("skipped_")
+        total = key in summed or key.startswith(("skipped_", "outcome_"))
         combined[f"actor_{key}"] = sum(values) if total else sum(values) / len(values)
     return combined
 

@@ -25,6 +25,8 @@ class Problem:
 class Score:
     reward: float
     success: bool
+    # Why it scored so, where a task says (the code task: passed, wrong_answer, timeout, ...).
+    outcome: str = ""
 
 
 class Task(Protocol):
