@@ -19,7 +19,7 @@ from pipelinerl.actor import Actor, Streams
 from pipelinerl.admission import MemoryLedger
 from pipelinerl.batches import BatchSource
 from pipelinerl.config import Config, ConfigError, load_config
-from pipelinerl.launch import launch
+from pipelinerl.launch import check_task, launch
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import Codec
 from pipelinerl.replay import (
@@ -286,10 +286,13 @@ def test_lag_groups_is_bounded_by_the_step_and_the_staleness_bound():
         cfg("deterministic.lag_groups=1", "mode=conventional")
 
 
-def test_an_environment_task_is_refused_naming_the_task():
+def test_an_environment_task_is_refused_at_launch_naming_the_task():
     cfg = load_config(None, ["deterministic.enabled=true", "actor.max_restarts=0",
                              "task.name=calculator"])
+    with pytest.raises(SystemExit, match="deterministic.enabled=true with task.name='calculator'"):
+        check_task(cfg)  # before any role starts
     task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
     with pytest.raises(ValueError, match="task.name='calculator'"):
-        check_deterministic_task(cfg, task)
+        check_deterministic_task(cfg, task)  # what the actor checks too
     check_deterministic_task(cfg, make_train_task("arithmetic", {}, 0.0))
+    check_task(load_config(None, ["task.name=calculator"]))  # free-running: accepted
