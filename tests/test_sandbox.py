@@ -1,0 +1,359 @@
+"""pipelinerl.sandbox: programs that behave, and programs that misbehave in every way listed in
+docs/reliability.md ("Sandbox: misbehaving programs"). Each hostile program must end within
+its limit with a clear status, leave no process and no file behind, and leave the machine
+(this process, its services, the next sandbox) as it was."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipelinerl.sandbox import Limits, Result, SandboxUnavailable, check_isolation, run_command
+from pipelinerl.sandbox import run_file, run_python
+from pipelinerl.sandbox import core
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="bubblewrap (bwrap) is not installed: `make sandbox`")
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+GRACE_S = 3.0  # startup on a loaded two-core machine, and the kill landing
+
+
+def hostile(source: str, limits: Limits = Limits(timeout_s=3), **kwargs) -> tuple[Result, str]:
+    """Run `source` under a unique file name; check it left no process behind and that the
+    next sandbox still runs. Returns the result and the token (its file name's stem)."""
+    token = f"hostile_{uuid.uuid4().hex[:12]}"
+    before = {c.pid for c in psutil.Process().children(recursive=True)}  # the test's services
+    result = run_python(source.replace("TOKEN", token), limits=limits,
+                        filename=f"{token}.py", **kwargs)
+    assert result.seconds <= limits.timeout_s + GRACE_S, result
+    assert_no_leftovers(token, before)
+    assert run_python("print('next')").stdout == "next\n"
+    return result, token
+
+
+def assert_no_leftovers(token: str, services: set[int] = frozenset()) -> None:
+    """No process whose command line names `token`, and no child of this process but the
+    test's own `services`."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if any(token in part for part in p.info["cmdline"] or [])]
+        children = [c for c in psutil.Process().children(recursive=True)
+                    if c.pid not in services]
+        if not left and not children:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left behind: {left} children {children}")
+        time.sleep(0.1)
+
+
+# -- programs that behave -----------------------------------------------------------------------
+def test_program_with_asserts_runs_ok_and_reads_stdin() -> None:
+    source = ("import sys\nfor i in range(10):\n    assert i * 2 == i + i\n"
+              "print(sys.stdin.read()[::-1])")
+    result = run_python(source, stdin="abc")
+    assert (result.status, result.exit_code, result.signal) == ("ok", 0, None)
+    assert result.stdout == "cba\n" and result.stderr == ""
+
+
+def test_failing_assert_and_exit_code_are_errors() -> None:
+    failed = run_python("assert 1 == 2, 'one is not two'")
+    assert failed.status == "error" and failed.exit_code == 1
+    assert "AssertionError: one is not two" in failed.stderr
+    assert run_python("raise SystemExit(7)").exit_code == 7
+    assert run_python("def f(:\n").status == "error"
+
+
+def test_runs_as_nobody_without_capabilities_network_or_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PIPELINERL_TEST_SECRET", "hunter2")
+    source = ("import os, socket\n"
+              "print(os.getuid(), os.getgid(), os.getcwd())\n"
+              "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')]\n"
+              "print(caps[0].split()[1])\n"
+              "print(sorted(n for _, n in socket.if_nameindex()))\n"
+              "print(sorted(os.environ))\n")
+    result = run_python(source)
+    lines = result.stdout.splitlines()
+    assert lines[0] == "65534 65534 /scratch"
+    assert int(lines[1], 16) == 0
+    assert lines[2] == "['lo']"
+    assert lines[3] == "['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']"
+    assert "hunter2" not in result.stdout
+
+
+def test_scratch_is_fresh_for_each_run() -> None:
+    first = run_python("open('kept.txt', 'w').write('x'); import os; print(os.listdir('.'))")
+    assert first.stdout == "['kept.txt']\n"
+    assert run_python("import os; print(os.listdir('.'))").stdout == "[]\n"
+
+
+def test_any_command_runs_from_a_file_and_by_name(tmp_path: Path) -> None:
+    script = tmp_path / "hello.sh"
+    script.write_text("#!/bin/sh\nread name\necho \"hello $name from $(id -u)\"\n")
+    result = run_file(script, stdin="you\n")
+    assert (result.status, result.stdout) == ("ok", "hello you from 65534\n")
+    assert run_command(["/bin/sh", "-c", "exit 3"]).exit_code == 3
+
+
+def test_bad_limits_and_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="Limits.memory_mb"):
+        Limits(memory_mb=0)
+    with pytest.raises(ValueError, match="Limits.cpu_seconds"):
+        Limits(cpu_seconds=-1)
+    with pytest.raises(ValueError, match="isolation must be"):
+        run_python("pass", isolation="none")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="filename"):
+        run_python("pass", filename="../x.py")
+    with pytest.raises(FileNotFoundError, match="no program file"):
+        run_file("/nonexistent/program.py")
+
+
+def test_refuses_without_bubblewrap_naming_the_weak_setting(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no bwrap on PATH
+    core._full_isolation_problem.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="isolation='weak'.*--isolation weak"):
+            check_isolation()
+        with pytest.raises(SandboxUnavailable, match="'bwrap' is not on PATH"):
+            run_python("print('never ran')")
+    finally:
+        core._full_isolation_problem.cache_clear()
+
+
+def test_weak_mode_keeps_limits_scratch_and_clean_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PIPELINERL_TEST_SECRET", "hunter2")
+    source = "import os\nopen('f', 'w').write('x')\nprint(os.getcwd(), sorted(os.environ))"
+    result = run_python(source, isolation="weak")
+    cwd = result.stdout.split()[0]
+    assert result.status == "ok" and "hunter2" not in result.stdout
+    assert not os.path.exists(cwd), "the weak mode's scratch directory is removed after"
+    slow = run_python("while True: pass", isolation="weak", limits=Limits(timeout_s=1))
+    assert slow.status == "timeout" and slow.seconds < 1 + GRACE_S
+
+
+def test_cli_prints_the_result(tmp_path: Path) -> None:
+    program = tmp_path / "shout.py"
+    program.write_text("import sys\nprint(sys.stdin.read().upper())\nraise SystemExit(4)\n")
+    given = tmp_path / "in.txt"
+    given.write_text("hello")
+    done = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "sandbox", str(program),
+                           "--stdin", str(given), "--timeout", "5", "--memory-mb", "256"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "status:    error" in done.stdout and "exit code: 4" in done.stdout
+    assert "HELLO" in done.stdout and "memory_mb=256" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "sandbox", str(program),
+                          "--max-procs", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Limits.max_procs" in bad.stderr
+
+
+# -- programs that misbehave --------------------------------------------------------------------
+def test_fork_bomb_is_bounded_and_ends_at_the_deadline() -> None:
+    source = ("import os\ncount = 0\nwhile True:\n    try:\n        os.fork()\n"
+              "    except OSError:\n        pass\n")
+    result, _ = hostile(source, Limits(timeout_s=2, max_procs=16))
+    assert result.status == "timeout"
+
+
+def test_fork_bomb_does_not_take_another_sandboxs_processes() -> None:
+    """RLIMIT_NPROC counts per uid per user namespace: each sandbox has its own count."""
+    bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n"
+            "    except OSError:\n        pass\n")
+    thread = threading.Thread(target=hostile, args=(bomb, Limits(timeout_s=4, max_procs=16)))
+    thread.start()
+    time.sleep(1.0)
+    spawner = ("import subprocess\nprocs = [subprocess.Popen(['/bin/sleep', '0.2']) "
+               "for _ in range(10)]\nprint(sum(p.wait() == 0 for p in procs))")
+    result = run_python(spawner, limits=Limits(timeout_s=10, max_procs=16))
+    thread.join()
+    assert (result.status, result.stdout) == ("ok", "10\n"), result
+
+
+def test_memory_hog_gets_memory_status() -> None:
+    source = "blocks = []\nwhile True:\n    blocks.append(bytearray(10 ** 7))\n"
+    result, _ = hostile(source, Limits(timeout_s=5, memory_mb=200))
+    assert result.status == "memory" and result.stderr.rstrip().endswith("MemoryError")
+
+
+def test_busy_loop_ends_at_its_cpu_limit() -> None:
+    result, _ = hostile("while True:\n    pass\n", Limits(timeout_s=5, cpu_seconds=1))
+    assert result.status == "timeout" and result.signal == signal.SIGXCPU
+    assert result.seconds < 4
+
+
+def test_sleeper_ignoring_sigterm_ends_at_the_deadline() -> None:
+    source = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "time.sleep(1000)\n")
+    result, _ = hostile(source, Limits(timeout_s=1.5))
+    assert result.status == "timeout" and result.seconds >= 1.5
+
+
+def test_double_forked_daemon_dies_with_the_program() -> None:
+    marker = f"{time.time() % 1000 + 100:.6f}"  # sleep's argument: this daemon's command line
+    source = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\n"
+              "os.wait()\nprint('parent done')\n")
+    result, _ = hostile(source)
+    assert (result.status, result.stdout) == ("ok", "parent done\n")
+    assert_no_leftovers(marker)
+
+
+def test_writes_outside_scratch_fail_and_leave_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    targets = [Path.home(), Path("/tmp"), Path("/dev/shm"), run_dir, CHECKOUT, Path("/usr"),
+               Path(sys.base_prefix)]
+    source = ("import sys\nfor d in sys.argv[1:] or DIRS:\n    try:\n"
+              "        open(f'{d}/TOKEN', 'w').write('x')\n        print('WROTE', d)\n"
+              "    except OSError as e:\n        print('denied', d, type(e).__name__)\n")
+    result, token = hostile(source.replace("DIRS", repr([str(t) for t in targets])))
+    assert result.status == "ok"
+    assert "WROTE" not in result.stdout and result.stdout.count("denied") == len(targets)
+    assert not [t for t in targets if (t / token).exists()]
+
+
+def test_secrets_are_out_of_reach(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PIPELINERL_TEST_TOKEN", "s3cr3t-env")
+    config = tmp_path / "run" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text("wandb_key: s3cr3t-config\n")
+    source = ("import os\nprint(dict(os.environ))\n"
+              "for path in ['/proc/1/environ', os.path.expanduser('~/.ssh/id_rsa'), "
+              f"'/root/.ssh/id_rsa', {str(config)!r}, '/proc/{os.getpid()}/environ']:\n"
+              "    try:\n        print(path, open(path, 'rb').read())\n"
+              "    except OSError as e:\n        print(path, type(e).__name__)\n"
+              "print(sorted(os.listdir('/root')))\n")
+    result, _ = hostile(source)
+    assert result.status == "ok"
+    assert "s3cr3t" not in result.stdout
+    assert "/root/.ssh/id_rsa FileNotFoundError" in result.stdout
+    assert f"{config} FileNotFoundError" in result.stdout
+    assert result.stdout.rstrip().endswith("['.pyenv']")
+
+
+def test_services_on_loopback_are_unreachable() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.3)
+    port = listener.getsockname()[1]
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"\0pipelinerl-test-{uuid.uuid4().hex}"
+    abstract.bind(name)
+    abstract.listen()
+    source = ("import socket\ntry:\n"
+              f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+              "    print('TCP IN')\n"
+              "except OSError as e:\n    print('tcp', type(e).__name__)\n"
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\ntry:\n"
+              f"    s.connect({name!r})\n    print('UNIX IN')\n"
+              "except OSError as e:\n    print('unix', type(e).__name__)\n")
+    try:
+        result, _ = hostile(source)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+        abstract.close()
+    assert result.stdout == "tcp ConnectionRefusedError\nunix ConnectionRefusedError\n"
+
+
+def test_redis_on_loopback_is_unreachable_and_keeps_serving(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL)
+    try:
+        assert _redis_ping(port, wait_s=10)
+        source = ("import socket\ntry:\n"
+                  f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                  "    s.sendall(b'FLUSHALL\\r\\n')\n    print('REACHED', s.recv(100))\n"
+                  "except OSError as e:\n    print(type(e).__name__)\n")
+        result, _ = hostile(source)
+        assert result.stdout == "ConnectionRefusedError\n"
+        assert _redis_ping(port, wait_s=1)
+    finally:
+        redis.terminate()
+        redis.wait(timeout=10)
+
+
+def _redis_ping(port: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16) == b"+PONG\r\n"
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def test_signals_to_its_parent_and_everyone_reach_nobody_outside() -> None:
+    source = ("import os, signal\nfor target in (os.getppid(), 1, -1):\n    try:\n"
+              "        os.kill(target, signal.SIGKILL)\n        print(target, 'sent')\n"
+              "    except OSError as e:\n        print(target, type(e).__name__)\n")
+    result, _ = hostile(source)
+    assert result.status == "ok"
+    assert "1 PermissionError" in result.stdout  # the sandbox's init is not the program's
+
+
+def test_segfault_through_ctypes_is_killed_by_sigsegv() -> None:
+    result, _ = hostile("import ctypes\nctypes.string_at(0)\n")
+    assert (result.status, result.signal) == ("killed", signal.SIGSEGV)
+
+
+def test_unbounded_recursion_ends_as_error_or_crash() -> None:
+    plain, _ = hostile("def f():\n    return f()\nf()\n")
+    assert plain.status == "error" and "RecursionError" in plain.stderr
+    deep, _ = hostile("import sys\nsys.setrecursionlimit(10 ** 8)\n"
+                      "def f(n):\n    return f(n + 1)\nf(0)\n",
+                      Limits(timeout_s=8, memory_mb=128))
+    # Python 3.11's frames live on the heap: the address-space limit ends it, not the stack
+    assert deep.status in ("error", "memory", "killed") and deep.seconds < 8, deep
+
+
+def test_thread_bomb_is_bounded() -> None:
+    source = ("import threading, time\nn = 0\ntry:\n    while True:\n"
+              "        threading.Thread(target=time.sleep, args=(100,), daemon=True).start()\n"
+              "        n += 1\nexcept RuntimeError as e:\n    print(n, e)\n    raise\n")
+    result, _ = hostile(source, Limits(timeout_s=3, max_procs=32))
+    assert result.status == "error" and "can't start new thread" in result.stderr
+    assert int(result.stdout.split()[0]) < 32
+
+
+def test_output_flood_is_cut_at_the_cap() -> None:
+    result, _ = hostile("while True:\n    print('x' * 1000)\n",
+                        Limits(timeout_s=5, max_output_kb=64))
+    assert result.status == "output_limit" and len(result.stdout) == 64 << 10
+    assert result.seconds < 5
+
+
+def test_one_huge_file_hits_the_file_size_limit() -> None:
+    source = "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))\n"
+    result, _ = hostile(source, Limits(timeout_s=5, max_file_mb=4))
+    assert result.status == "error" and "File too large" in result.stderr
+
+
+def test_disk_fill_hits_the_scratch_size() -> None:
+    source = ("i = 0\nwhile True:\n    with open(f'part{i}', 'wb') as f:\n"
+              "        f.write(b'x' * (1 << 20))\n    i += 1\n")
+    result, _ = hostile(source, Limits(timeout_s=5, max_file_mb=4, scratch_mb=8))
+    assert result.status == "error" and "No space left on device" in result.stderr
+
+
+def test_many_open_files_hit_the_limit() -> None:
+    source = "files = []\nwhile True:\n    files.append(open('/dev/null'))\n"
+    result, _ = hostile(source, Limits(timeout_s=5, max_files=32))
+    assert result.status == "error" and "Too many open files" in result.stderr
