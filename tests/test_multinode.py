@@ -239,3 +239,72 @@ def test_fsdp2_trainer_trains_with_actors_on_other_hosts(
     assert "broadcast weights version 3" in run.log("trainer0")
     for role, host in (("actor0", 1), ("actor1", 2)):
         assert f"weight group interface {hosts.ifnames[host]}" in run.log(role), run.log(role)
+
+
+NODE_SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "pipelinerl-node.sh"
+MANIFEST = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "pipelinerl.yaml"
+
+
+def test_slurm_node_script_with_addresses_standing_in_for_node_names_and_no_scontrol(
+        tmp_path: Path, hosts: Lan, model_dir: Path) -> None:
+    """deploy/slurm/pipelinerl.sbatch's per-node step (deploy/pipelinerl-node.sh) on three
+    hosts, with the variables Slurm sets for a 3-node job. Stand-ins: the node list holds the
+    hosts' addresses (the namespaces have no names of their own), plain and comma-separated
+    as the script takes it where scontrol is absent. Redis and the weight store come from the
+    script alone: the config names neither."""
+    steps = 3
+    config = _write_config(tmp_path / "run.yaml", hosts, model_dir, "slurm",
+                           trainer={"max_steps": steps}, eval={"enabled": False})
+    cfg = yaml.safe_load(config.read_text())
+    del cfg["stream"]["redis_url"], cfg["sync"]["init_method"]
+    config.write_text(yaml.safe_dump(cfg))
+    slurm = {"SLURM_JOB_ID": "4503", "SLURM_NNODES": "3", "SLURM_GPUS_ON_NODE": "2",
+             "SLURM_JOB_NODELIST": ",".join(hosts.addrs[:3]), **THREADS}
+    nodes: list[subprocess.Popen] = []
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+    try:
+        for i in range(3):
+            nodes.append(hosts.popen(i, ["bash", str(NODE_SCRIPT), str(config)],
+                                     {**slurm, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i)},
+                                     stdout=logs[i].open("w"), stderr=subprocess.STDOUT))
+        for i, node in enumerate(nodes):
+            try:
+                code = node.wait(timeout=ROLE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, f"node {i} exit {code}:\n{logs[i].read_text()[-4000:]}"
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait(timeout=30)
+
+    text = [log.read_text() for log in logs]
+    assert "redis-server on port 6379" in text[0] and "trainer node 0 of 1, 2 rank(s)" in text[0]
+    assert "actor 0" in text[1] and "actor 1" in text[2]
+    run_dir = tmp_path / "runs" / "slurm"
+    assert _steps(run_dir) == list(range(1, steps + 1))
+    trained = [g for line in (run_dir / "trained.jsonl").read_text().splitlines()
+               for g in json.loads(line)["trained"]]
+    assert len(trained) == len(set(trained)) == steps * 16 // 4
+    assert f"weight group interface {hosts.ifnames[1]}" in text[1]
+
+
+def test_kubernetes_manifest_gives_the_node_script_what_it_reads() -> None:
+    """No cluster here: the manifest's own consistency. The headless Service names the
+    Job's pods, so HEAD_HOST (index 0) resolves; NNODES matches the Job's completions."""
+    service, job = yaml.safe_load_all(MANIFEST.read_text())
+    assert service["spec"]["clusterIP"] == "None"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert int(env["NNODES"]) == spec["completions"] == spec["parallelism"]
+    assert env["HEAD_HOST"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert "RUN_ID" in env and Path(container["command"][0]).name == NODE_SCRIPT.name
+    script = NODE_SCRIPT.read_text()
+    for name in ("JOB_COMPLETION_INDEX", *env):
+        assert f"${{{name}" in script or f"{name}=${{{name}" in script, name
