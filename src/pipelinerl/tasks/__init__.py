@@ -14,6 +14,8 @@ from pipelinerl.plugins import TASK_PREFIXES, import_object
 from pipelinerl.tasks.environment import check_environment, is_environment
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 from pipelinerl.tasks.calculator import CalculatorTask
+from pipelinerl.tasks.code import CodeTask
+from pipelinerl.tasks.code_tool import CodeToolTask
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
@@ -26,6 +28,8 @@ from pipelinerl.tasks.split import TrainSplit, heldout_problems
 TASKS: dict[str, type] = {
     "arithmetic": ChainArithmeticTask,
     "calculator": CalculatorTask,
+    "code": CodeTask,
+    "code_tool": CodeToolTask,
     "countdown": CountdownTask,
     "dataset": DatasetTask,
     "math": MathTask,
@@ -153,6 +157,8 @@ def make_train_task(name: str, params: dict[str, Any] | None, heldout_frac: floa
 __all__ = [
     "TASKS",
     "ChainArithmeticTask",
+    "CodeTask",
+    "CodeToolTask",
     "CountdownTask",
     "DatasetTask",
     "DemonstrationTask",
