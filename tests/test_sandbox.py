@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -91,6 +92,30 @@ def test_runs_as_nobody_without_capabilities_network_or_environment(monkeypatch)
     assert lines[2] == "['lo']"
     assert lines[3] == "['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']"
     assert "hunter2" not in result.stdout
+
+
+def test_a_caller_that_is_not_root_gets_the_same_isolation() -> None:
+    """bubblewrap's own user namespace (the path of callers that are not root): as root, this
+    test runs the sandbox from a process of uid 1000 (Debian's python3: the pyenv interpreter
+    under /root is out of its reach)."""
+    python, prefix = sys.executable, []
+    if os.getuid() == 0:
+        python = shutil.which("python3", path="/usr/bin") or sys.executable
+        prefix = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"]
+    script = textwrap.dedent("""
+        from pipelinerl.sandbox import Limits, run_python
+        who = run_python("import os\\nprint(os.getuid(), os.getgid())\\n"
+                         "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+        print(who.status, who.stdout.split())
+        bomb = run_python("import os\\nwhile True:\\n  try: os.fork()\\n  except OSError: pass",
+                          limits=Limits(timeout_s=2, max_procs=10))
+        print(bomb.status)
+        """)
+    env = ["env", "-i", "PATH=/usr/bin:/bin", f"PYTHONPATH={CHECKOUT / 'src'}"]
+    done = subprocess.run(prefix + env + [python, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["ok ['65534', '65534', '0000000000000000']", "timeout"]
 
 
 def test_scratch_is_fresh_for_each_run() -> None:
