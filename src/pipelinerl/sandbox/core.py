@@ -165,7 +165,8 @@ def _readonly_roots() -> list[str]:
 def _bwrap_argv(program_fds: dict[str, tuple[int, int]]) -> list[str]:
     """bubblewrap's arguments up to the command; `program_fds` maps a sandbox path to the fd
     its read-only contents are copied from and its mode."""
-    argv = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    # Resolved here: the sandbox is started with an empty environment, hence no PATH.
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     as_root = os.getuid() == 0
     if as_root:
