@@ -69,6 +69,13 @@ def test_program_with_asserts_runs_ok_and_reads_stdin() -> None:
     assert result.stdout == "cba\n" and result.stderr == ""
 
 
+def test_stdin_cannot_be_changed_by_the_program() -> None:
+    source = ("import os\ntry:\n    os.write(0, b'x')\nexcept OSError as e:\n"
+              "    print(type(e).__name__)\nprint(repr(os.read(0, 100)))\n")
+    result = run_python(source, stdin="given")
+    assert result.stdout == "PermissionError\nb'given'\n", result
+
+
 def test_failing_assert_and_exit_code_are_errors() -> None:
     failed = run_python("assert 1 == 2, 'one is not two'")
     assert failed.status == "error" and failed.exit_code == 1

@@ -11,6 +11,7 @@ sandbox's own and not shared with concurrent ones. docs/code.md.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import re
@@ -166,8 +167,8 @@ def _bwrap_argv(program_fds: dict[str, tuple[int, int]]) -> list[str]:
     """bubblewrap's arguments up to the command; `program_fds` maps a sandbox path to the fd
     its read-only contents are copied from and its mode."""
     # Resolved here: the sandbox is started with an empty environment, hence no PATH.
-    argv = [shutil.which("bwrap") or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
     as_root = os.getuid() == 0
     if as_root:
         # bwrap as root maps the sandbox's uid back to root; instead it keeps the host's user
@@ -227,9 +228,12 @@ def _prlimit_argv(limits: Limits) -> list[str]:
 
 
 def _memfd(name: str, data: bytes) -> int:
-    """An anonymous in-memory file holding `data`, positioned at its start: nothing on disk."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """An anonymous in-memory file holding `data`, positioned at its start: nothing on disk;
+    sealed, so the program given it as stdin can neither change nor grow it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     _write_all(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW
+                | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
