@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -103,3 +104,96 @@ def test_a_stop_signal_stops_the_trainer_waiting_for_its_group_at_once(
     assert proc.returncode == code, out
     assert "Traceback" not in out, out
     del store
+
+
+# ---- an actor waiting for the trainer's go (a receiver's store wait) ------------------------
+
+_ACTOR_ROLE = """
+import sys, time, torch
+import pipelinerl.actor
+from pipelinerl.cli import run
+from pipelinerl.roles import open_weight_receiver
+
+def wait_for_go(cfg, actor_id):  # the actor's setup, up to its first weight update
+    receiver = open_weight_receiver(cfg, actor_id)
+    while receiver.poll() is None:
+        time.sleep(0.01)
+    print("receiving", flush=True)
+    receiver.receive_into({"w": torch.zeros(3)})
+
+pipelinerl.actor.run_actor = wait_for_go
+sys.argv = ["pipelinerl", "actor", *sys.argv[1:]]
+run()
+"""
+
+# The trainer publishes version 1 and waits (60 s) for actor 1, which joined and never polls.
+_TRAINER = """
+import sys, torch
+from pipelinerl.sync import BroadcastWeightSender
+s = BroadcastWeightSender(sys.argv[1], n_actors=2, timeout_s=60)
+s.publish({"w": torch.ones(3)}, 1)
+"""
+
+_IDLE_ACTOR = """
+import sys, time
+from pipelinerl.sync import BroadcastWeightReceiver
+r = BroadcastWeightReceiver(sys.argv[1], 1, 2, timeout_s=60)
+time.sleep(120)
+"""
+
+
+def _actor_waiting_for_go(tmp_path: Path, timeout_s: float) -> tuple[subprocess.Popen, list]:
+    """Actor 0 (the real CLI role, cut to its receiver) ready for version 1, in `_await_go`:
+    the trainer holds the go back while it waits for actor 1."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    others = [subprocess.Popen([sys.executable, "-c", code, init], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL) for code in (_TRAINER, _IDLE_ACTOR)]
+    config = tmp_path / "config.yaml"
+    config.write_text("name: t\nmodel:\n  preset: tiny\neval:\n  enabled: false\n")
+    actor = subprocess.Popen(
+        [sys.executable, "-c", _ACTOR_ROLE, str(config), f"output_dir={tmp_path}", "run_id=r1",
+         "--actor-id", "0", "sync.backend=broadcast", f"sync.init_method={init}",
+         "actor.num_actors=2", f"sync.timeout_s={timeout_s}", "engine.device=cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert actor.stdout is not None
+    for line in actor.stdout:  # the role's imports and the group's formation, on a loaded machine
+        if line.startswith("receiving"):
+            break
+    time.sleep(0.5)  # into receive_into's wait for the go
+    assert actor.poll() is None, actor.communicate()[0]
+    return actor, others
+
+
+@pytest.fixture
+def stray() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_an_actor_waiting_for_the_go_fails_within_its_timeout(
+        tmp_path: Path, stray: list[subprocess.Popen]) -> None:
+    actor, others = _actor_waiting_for_go(tmp_path, timeout_s=3)
+    stray += [actor, *others]
+    t0 = time.monotonic()
+    out = actor.communicate(timeout=60)[0]
+    assert actor.returncode == 1, out
+    assert time.monotonic() - t0 < 3 + 3, out
+    assert ("actor 0 (rank 1): the trainer (rank 0) did not start the broadcast of version 1 "
+            "within 3.0 s (sync.timeout_s)") in out, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_an_actor_waiting_for_the_go_at_once(
+        tmp_path: Path, stray: list[subprocess.Popen], sig: signal.Signals) -> None:
+    # sync.timeout_s 60: before the fix the signal waited in the store's wait for 60 s.
+    actor, others = _actor_waiting_for_go(tmp_path, timeout_s=60)
+    stray += [actor, *others]
+    t0 = time.monotonic()
+    actor.send_signal(sig)
+    out = actor.communicate(timeout=30)[0]
+    assert time.monotonic() - t0 < 5, out
+    assert actor.returncode == 130, out
+    assert "Traceback" not in out, out

@@ -199,6 +199,22 @@ def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float,
                            + "; ".join(failed))
 
 
+def _await_key(store: dist.Store, key: str, timeout_s: float, me: str, on_timeout: str) -> None:
+    """Until `key` is set, polling: a native `store.wait` would keep the main thread from
+    Python's signal handlers for up to `timeout_s` (a stop signal then waits for it)."""
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_MIN_S
+    try:
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(on_timeout)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+    except dist.DistError as e:
+        raise RuntimeError(f"{me}: weight store lost while waiting for {key!r} (trainer "
+                           f"gone?): {e}") from e
+
+
 def _make_group(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float,
                 epoch: int, interface: str | None, rendezvous_timeout_s: float) -> _Group:
     """Build epoch `epoch`'s group once every member joined its rendezvous; raise
@@ -335,8 +351,24 @@ class _Channel:
         return work, what
 
     def _wait(self, pending: tuple[dist.Work, str]) -> None:
-        with self._collective(pending[1]):
-            pending[0].wait(self.timeout)
+        work, what = pending
+        if self.backend != "gloo":  # a timed-out NCCL wait may abort its communicator
+            with self._collective(what):
+                work.wait(self.timeout)
+            return
+        # In slices: a main thread inside one long native wait hears no stop signal.
+        deadline = time.monotonic() + self.timeout_s
+        with self._collective(what):
+            while True:
+                try:
+                    work.wait(_SETTLED_CHECK)
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # done just now, or failed: wait says which
+                        work.wait(self.timeout)
+                        return
+                    if time.monotonic() > deadline:
+                        raise
 
     def _broadcast(self, t: torch.Tensor, what: str) -> None:
         self._wait(self._start(t, what))
@@ -781,12 +813,11 @@ class BroadcastWeightReceiver(_Channel):
         """The sender's word on the transfer of `version`. Its worst case: its own transfer
         times out, then it waits for a restarted actor to rejoin."""
         assert self.store is not None
-        try:
-            self.store.wait([self._key(f"done/{version}")],
-                            timedelta(seconds=self.timeout_s + self.rendezvous_timeout_s))
-        except dist.DistError as e:
-            raise TimeoutError(f"{_describe(self.rank)}: the trainer (rank 0) did not settle the "
-                               f"transfer of version {version}") from e
+        wait_s = self.timeout_s + self.rendezvous_timeout_s
+        me = _describe(self.rank)
+        _await_key(self.store, self._key(f"done/{version}"), wait_s, me,
+                   f"{me}: the trainer (rank 0) did not settle the transfer "
+                   f"of version {version} within {wait_s} s (sync.timeout_s)")
         outcome = self._settled(version)
         assert outcome is not None
         return outcome
@@ -796,11 +827,10 @@ class BroadcastWeightReceiver(_Channel):
         assert self.store is not None
         self._report(str(version))
         go = self._key(f"go/{version}")
-        try:
-            self.store.wait([go], self.timeout)
-        except dist.DistError as e:
-            raise TimeoutError(f"{_describe(self.rank)}: the trainer (rank 0) did not start the "
-                               f"broadcast of version {version} within {self.timeout_s} s") from e
+        me = _describe(self.rank)
+        _await_key(self.store, go, self.timeout_s, me,
+                   f"{me}: the trainer (rank 0) did not start the broadcast "
+                   f"of version {version} within {self.timeout_s} s (sync.timeout_s)")
         return self.store.get(go).decode()
 
     def _receive_per_parameter(self, dests: list[list[torch.Tensor]]) -> None:
