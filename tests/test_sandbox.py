@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -23,24 +24,37 @@ import pytest
 from pipelinerl.sandbox import Limits, Result, SandboxUnavailable, check_isolation, run_command
 from pipelinerl.sandbox import run_file, run_python
 from pipelinerl.sandbox import core
+from pipelinerl.sandbox.server import ForkServer
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (bwrap) is not installed: `make sandbox`")
 
 CHECKOUT = Path(__file__).resolve().parents[1]
+Run = Callable[..., Result]
+
+
+@pytest.fixture(params=["bwrap per run", "fork server"])
+def run(request) -> Iterator[Run]:
+    """Each misbehaving program runs both ways: a sandbox of its own, and a warm fork server
+    (started before the program, so its processes are the test's services)."""
+    if request.param == "bwrap per run":
+        yield run_python
+        return
+    with ForkServer() as server:
+        assert server.run_python("pass").ok
+        yield server.run_python
 GRACE_S = 3.0  # startup on a loaded two-core machine, and the kill landing
 
 
-def hostile(source: str, limits: Limits = Limits(timeout_s=3), **kwargs) -> tuple[Result, str]:
-    """Run `source` under a unique file name; check it left no process behind and that the
-    next sandbox still runs. Returns the result and the token (its file name's stem)."""
+def hostile(run: Run, source: str, limits: Limits = Limits(timeout_s=3)) -> tuple[Result, str]:
+    """Run `source` with `run` under a unique file name; check it left no process behind and
+    that the next program still runs. Returns the result and the token (its file's stem)."""
     token = f"hostile_{uuid.uuid4().hex[:12]}"
     before = {c.pid for c in psutil.Process().children(recursive=True)}  # the test's services
-    result = run_python(source.replace("TOKEN", token), limits=limits,
-                        filename=f"{token}.py", **kwargs)
+    result = run(source.replace("TOKEN", token), limits=limits, filename=f"{token}.py")
     assert result.seconds <= limits.timeout_s + GRACE_S, result
     assert_no_leftovers(token, before)
-    assert run_python("print('next')").stdout == "next\n"
+    assert run("print('next')").stdout == "next\n"
     return result, token
 
 
@@ -192,10 +206,10 @@ def test_cli_prints_the_result(tmp_path: Path) -> None:
 
 
 # -- programs that misbehave --------------------------------------------------------------------
-def test_fork_bomb_is_bounded_and_ends_at_the_deadline() -> None:
+def test_fork_bomb_is_bounded_and_ends_at_the_deadline(run: Run) -> None:
     source = ("import os\ncount = 0\nwhile True:\n    try:\n        os.fork()\n"
               "    except OSError:\n        pass\n")
-    result, _ = hostile(source, Limits(timeout_s=2, max_procs=16))
+    result, _ = hostile(run, source, Limits(timeout_s=2, max_procs=16))
     assert result.status == "timeout"
 
 
@@ -203,7 +217,8 @@ def test_fork_bomb_does_not_take_another_sandboxs_processes() -> None:
     """RLIMIT_NPROC counts per uid per user namespace: each sandbox has its own count."""
     bomb = ("import os\nwhile True:\n    try:\n        os.fork()\n"
             "    except OSError:\n        pass\n")
-    thread = threading.Thread(target=hostile, args=(bomb, Limits(timeout_s=4, max_procs=16)))
+    thread = threading.Thread(target=hostile,
+                              args=(run_python, bomb, Limits(timeout_s=4, max_procs=16)))
     thread.start()
     time.sleep(1.0)
     spawner = ("import subprocess\nprocs = [subprocess.Popen(['/bin/sleep', '0.2']) "
@@ -213,36 +228,37 @@ def test_fork_bomb_does_not_take_another_sandboxs_processes() -> None:
     assert (result.status, result.stdout) == ("ok", "10\n"), result
 
 
-def test_memory_hog_gets_memory_status() -> None:
+def test_memory_hog_gets_memory_status(run: Run) -> None:
     source = "blocks = []\nwhile True:\n    blocks.append(bytearray(10 ** 7))\n"
-    result, _ = hostile(source, Limits(timeout_s=5, memory_mb=200))
+    result, _ = hostile(run, source, Limits(timeout_s=5, memory_mb=200))
     assert result.status == "memory" and result.stderr.rstrip().endswith("MemoryError")
 
 
-def test_busy_loop_ends_at_its_cpu_limit() -> None:
-    result, _ = hostile("while True:\n    pass\n", Limits(timeout_s=5, cpu_seconds=1))
+def test_busy_loop_ends_at_its_cpu_limit(run: Run) -> None:
+    result, _ = hostile(run, "while True:\n    pass\n", Limits(timeout_s=5, cpu_seconds=1))
     assert result.status == "timeout" and result.signal == signal.SIGXCPU
     assert result.seconds < 4
 
 
-def test_sleeper_ignoring_sigterm_ends_at_the_deadline() -> None:
+def test_sleeper_ignoring_sigterm_ends_at_the_deadline(run: Run) -> None:
     source = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
               "time.sleep(1000)\n")
-    result, _ = hostile(source, Limits(timeout_s=1.5))
+    result, _ = hostile(run, source, Limits(timeout_s=1.5))
     assert result.status == "timeout" and result.seconds >= 1.5
 
 
-def test_double_forked_daemon_dies_with_the_program() -> None:
+def test_double_forked_daemon_dies_with_the_program(run: Run) -> None:
     marker = f"{time.time() % 1000 + 100:.6f}"  # sleep's argument: this daemon's command line
     source = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
               f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\n"
               "os.wait()\nprint('parent done')\n")
-    result, _ = hostile(source)
+    result, _ = hostile(run, source)
     assert (result.status, result.stdout) == ("ok", "parent done\n")
-    assert_no_leftovers(marker)
+    server = {c.pid for c in psutil.Process().children(recursive=True)}  # a fork server's
+    assert_no_leftovers(marker, server)  # the daemon: named by its marker
 
 
-def test_writes_outside_scratch_fail_and_leave_nothing(tmp_path: Path) -> None:
+def test_writes_outside_scratch_fail_and_leave_nothing(run: Run, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     targets = [Path.home(), Path("/tmp"), Path("/dev/shm"), run_dir, CHECKOUT, Path("/usr"),
@@ -250,13 +266,13 @@ def test_writes_outside_scratch_fail_and_leave_nothing(tmp_path: Path) -> None:
     source = ("import sys\nfor d in sys.argv[1:] or DIRS:\n    try:\n"
               "        open(f'{d}/TOKEN', 'w').write('x')\n        print('WROTE', d)\n"
               "    except OSError as e:\n        print('denied', d, type(e).__name__)\n")
-    result, token = hostile(source.replace("DIRS", repr([str(t) for t in targets])))
+    result, token = hostile(run, source.replace("DIRS", repr([str(t) for t in targets])))
     assert result.status == "ok"
     assert "WROTE" not in result.stdout and result.stdout.count("denied") == len(targets)
     assert not [t for t in targets if (t / token).exists()]
 
 
-def test_secrets_are_out_of_reach(tmp_path: Path, monkeypatch) -> None:
+def test_secrets_are_out_of_reach(run: Run, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PIPELINERL_TEST_TOKEN", "s3cr3t-env")
     config = tmp_path / "run" / "config.yaml"
     config.parent.mkdir()
@@ -267,7 +283,7 @@ def test_secrets_are_out_of_reach(tmp_path: Path, monkeypatch) -> None:
               "    try:\n        print(path, open(path, 'rb').read())\n"
               "    except OSError as e:\n        print(path, type(e).__name__)\n"
               "print(sorted(os.listdir('/root')))\n")
-    result, _ = hostile(source)
+    result, _ = hostile(run, source)
     assert result.status == "ok"
     assert "s3cr3t" not in result.stdout
     assert "/root/.ssh/id_rsa FileNotFoundError" in result.stdout
@@ -275,7 +291,7 @@ def test_secrets_are_out_of_reach(tmp_path: Path, monkeypatch) -> None:
     assert result.stdout.rstrip().endswith("['.pyenv']")
 
 
-def test_services_on_loopback_are_unreachable() -> None:
+def test_services_on_loopback_are_unreachable(run: Run) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.3)
     port = listener.getsockname()[1]
@@ -291,7 +307,7 @@ def test_services_on_loopback_are_unreachable() -> None:
               f"    s.connect({name!r})\n    print('UNIX IN')\n"
               "except OSError as e:\n    print('unix', type(e).__name__)\n")
     try:
-        result, _ = hostile(source)
+        result, _ = hostile(run, source)
         with pytest.raises(socket.timeout):
             listener.accept()
     finally:
@@ -300,7 +316,7 @@ def test_services_on_loopback_are_unreachable() -> None:
     assert result.stdout == "tcp ConnectionRefusedError\nunix ConnectionRefusedError\n"
 
 
-def test_redis_on_loopback_is_unreachable_and_keeps_serving(tmp_path: Path) -> None:
+def test_redis_on_loopback_is_unreachable_and_keeps_serving(run: Run, tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
     redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
@@ -312,7 +328,7 @@ def test_redis_on_loopback_is_unreachable_and_keeps_serving(tmp_path: Path) -> N
                   f"    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
                   "    s.sendall(b'FLUSHALL\\r\\n')\n    print('REACHED', s.recv(100))\n"
                   "except OSError as e:\n    print(type(e).__name__)\n")
-        result, _ = hostile(source)
+        result, _ = hostile(run, source)
         assert result.stdout == "ConnectionRefusedError\n"
         assert _redis_ping(port, wait_s=1)
     finally:
@@ -332,60 +348,111 @@ def _redis_ping(port: int, wait_s: float) -> bool:
     return False
 
 
-def test_signals_to_its_parent_and_everyone_reach_nobody_outside() -> None:
+def test_signals_to_its_parent_and_everyone_reach_nobody_outside(run: Run) -> None:
     source = ("import os, signal\nfor target in (os.getppid(), 1, -1):\n    try:\n"
               "        os.kill(target, signal.SIGKILL)\n        print(target, 'sent')\n"
               "    except OSError as e:\n        print(target, type(e).__name__)\n")
-    result, _ = hostile(source)
-    assert result.status == "ok"
+    result, _ = hostile(run, source)
+    # Under a fork server its parent is the server (same uid): killing it ends its own run.
+    assert result.status == ("ok" if run is run_python else "killed")
     assert "1 PermissionError" in result.stdout  # the sandbox's init is not the program's
 
 
-def test_segfault_through_ctypes_is_killed_by_sigsegv() -> None:
-    result, _ = hostile("import ctypes\nctypes.string_at(0)\n")
+def test_segfault_through_ctypes_is_killed_by_sigsegv(run: Run) -> None:
+    result, _ = hostile(run, "import ctypes\nctypes.string_at(0)\n")
     assert (result.status, result.signal) == ("killed", signal.SIGSEGV)
 
 
-def test_unbounded_recursion_ends_as_error_or_crash() -> None:
-    plain, _ = hostile("def f():\n    return f()\nf()\n")
+def test_unbounded_recursion_ends_as_error_or_crash(run: Run) -> None:
+    plain, _ = hostile(run, "def f():\n    return f()\nf()\n")
     assert plain.status == "error" and "RecursionError" in plain.stderr
-    deep, _ = hostile("import sys\nsys.setrecursionlimit(10 ** 8)\n"
+    deep, _ = hostile(run, "import sys\nsys.setrecursionlimit(10 ** 8)\n"
                       "def f(n):\n    return f(n + 1)\nf(0)\n",
                       Limits(timeout_s=8, memory_mb=128))
     # Python 3.11's frames live on the heap: the address-space limit ends it, not the stack
     assert deep.status in ("error", "memory", "killed") and deep.seconds < 8, deep
 
 
-def test_thread_bomb_is_bounded() -> None:
+def test_thread_bomb_is_bounded(run: Run) -> None:
     source = ("import threading, time\nn = 0\ntry:\n    while True:\n"
               "        threading.Thread(target=time.sleep, args=(100,), daemon=True).start()\n"
               "        n += 1\nexcept RuntimeError as e:\n    print(n, e)\n    raise\n")
-    result, _ = hostile(source, Limits(timeout_s=3, max_procs=32))
+    result, _ = hostile(run, source, Limits(timeout_s=3, max_procs=32))
     assert result.status == "error" and "can't start new thread" in result.stderr
     assert int(result.stdout.split()[0]) < 32
 
 
-def test_output_flood_is_cut_at_the_cap() -> None:
-    result, _ = hostile("while True:\n    print('x' * 1000)\n",
+def test_output_flood_is_cut_at_the_cap(run: Run) -> None:
+    result, _ = hostile(run, "while True:\n    print('x' * 1000)\n",
                         Limits(timeout_s=5, max_output_kb=64))
     assert result.status == "output_limit" and len(result.stdout) == 64 << 10
     assert result.seconds < 5
 
 
-def test_one_huge_file_hits_the_file_size_limit() -> None:
+def test_one_huge_file_hits_the_file_size_limit(run: Run) -> None:
     source = "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))\n"
-    result, _ = hostile(source, Limits(timeout_s=5, max_file_mb=4))
+    result, _ = hostile(run, source, Limits(timeout_s=5, max_file_mb=4))
     assert result.status == "error" and "File too large" in result.stderr
 
 
-def test_disk_fill_hits_the_scratch_size() -> None:
+def test_disk_fill_hits_the_scratch_size(run: Run) -> None:
     source = ("i = 0\nwhile True:\n    with open(f'part{i}', 'wb') as f:\n"
               "        f.write(b'x' * (1 << 20))\n    i += 1\n")
-    result, _ = hostile(source, Limits(timeout_s=5, max_file_mb=4, scratch_mb=8))
+    result, _ = hostile(run, source, Limits(timeout_s=5, max_file_mb=4, scratch_mb=8))
     assert result.status == "error" and "No space left on device" in result.stderr
 
 
-def test_many_open_files_hit_the_limit() -> None:
+def test_many_open_files_hit_the_limit(run: Run) -> None:
     source = "files = []\nwhile True:\n    files.append(open('/dev/null'))\n"
-    result, _ = hostile(source, Limits(timeout_s=5, max_files=32))
+    result, _ = hostile(run, source, Limits(timeout_s=5, max_files=32))
     assert result.status == "error" and "Too many open files" in result.stderr
+
+
+# -- the fork server ----------------------------------------------------------------------------
+def test_fork_server_leaves_the_next_program_nothing() -> None:
+    """Files (a 000 directory, one beside the scratch directory), a System V shared memory
+    segment and message queue, and a background process: all gone before the next program."""
+    leave = ("import ctypes, os, subprocess\nlibc = ctypes.CDLL(None)\n"
+             "assert libc.shmget(1234, 4096, 0o1600) >= 0\nassert libc.msgget(99, 0o1600) >= 0\n"
+             "os.makedirs('locked/inner')\nopen('locked/inner/f', 'w').write('x')\n"
+             "os.chmod('locked', 0)\nopen('/scratch/beside', 'w').write('x')\n"
+             "subprocess.Popen(['/bin/sleep', '100'], start_new_session=True)\n"
+             "print(len(open('/proc/sysvipc/shm').readlines()) - 1)\n")
+    look = ("import os\nprint(os.listdir('/scratch'), os.listdir('.'))\n"
+            "print(sum(1 for line in open('/proc/sysvipc/shm')) - 1, "
+            "sum(1 for line in open('/proc/sysvipc/msg')) - 1)\n"
+            "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+            "print(pids == sorted({1, os.getppid(), os.getpid()}))\n")
+    with ForkServer() as server:
+        first = server.run_python(leave)
+        assert (first.status, first.stdout) == ("ok", "1\n"), first
+        second = server.run_python(look)
+    assert second.status == "ok", second
+    scratch, shm_msg, only_us = second.stdout.splitlines()
+    assert scratch == "['run2'] []" and shm_msg == "0 0" and only_us == "True"
+
+
+def test_fork_server_memory_and_descriptors_are_out_of_a_programs_reach() -> None:
+    source = ("import os\nfor path in (f'/proc/{os.getppid()}/mem', f'/proc/{os.getppid()}/fd'):\n"
+              "    try:\n        os.listdir(path) if path.endswith('fd') else open(path, 'rb')\n"
+              "        print(path, 'OPEN')\n"
+              "    except OSError as e:\n        print(type(e).__name__)\n")
+    with ForkServer() as server:
+        result = server.run_python(source)
+    assert result.stdout == "PermissionError\nPermissionError\n", result
+
+
+def test_fork_server_runs_programs_as_plain_python_would() -> None:
+    with ForkServer() as server:
+        crash = server.run_python("x = 1\nraise KeyError(x)\n")
+        exits = server.run_python("import atexit, sys\natexit.register(print, 'bye')\n"
+                                  "sys.exit(5)\n")
+        syntax = server.run_python("def f(:\n")
+        echo = server.run_python("import sys\nprint(__name__, sys.argv, sys.stdin.read())",
+                                 stdin="in", filename="solution.py")
+    assert crash.status == "error" and crash.stderr.splitlines()[-3:] == [
+        '  File "/program/main.py", line 2, in <module>', "    raise KeyError(x)",
+        "KeyError: 1"]
+    assert (exits.exit_code, exits.stdout) == (5, "bye\n")
+    assert syntax.status == "error" and "SyntaxError" in syntax.stderr
+    assert echo.stdout == "__main__ ['/program/solution.py'] in\n"

@@ -2,7 +2,8 @@
 
 `run_python(source)`, `run_file(path)`, `run_command(argv)` -> `Result` (status ok / error /
 timeout / memory / output_limit / killed, exit code, signal, stdout, stderr, seconds).
-`check_isolation()` refuses at start where bubblewrap's isolation cannot be had, naming
+`ForkServer` runs Python programs one at a time in one warm sandboxed interpreter (a child
+forked per program, everything of it removed before the next). `check_isolation()` refuses at start where bubblewrap's isolation cannot be had, naming
 `isolation='weak'`. Guarantees and limits: docs/code.md.
 """
 
@@ -17,6 +18,7 @@ from pipelinerl.sandbox.core import (
     run_file,
     run_python,
 )
+from pipelinerl.sandbox.server import ForkServer
 
-__all__ = ["Isolation", "Limits", "Result", "SandboxUnavailable", "Status", "check_isolation",
+__all__ = ["ForkServer", "Isolation", "Limits", "Result", "SandboxUnavailable", "Status", "check_isolation",
            "run_command", "run_file", "run_python"]

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 Isolation = Literal["full", "weak"]
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
@@ -89,11 +89,16 @@ def run_python(source: str, *, stdin: str | bytes = b"", limits: Limits = Limits
                isolation: Isolation = "full", filename: str = "main.py") -> Result:
     """Run Python `source` under this machine's interpreter (`-I -S`: isolated, standard
     library only) in the sandbox, as /program/`filename` (the name its tracebacks show)."""
-    if not re.fullmatch(r"[\w.-]+\.py", filename):
-        raise ValueError(f"filename must be a plain name ending in .py, got {filename!r}")
-    program = f"{PROGRAM_DIR}/{filename}"
+    program = _program_path(filename)
     argv = [_interpreter(), "-I", "-S", "-X", "utf8", program]
     return _run(argv, {program: (source.encode(), 0o444)}, stdin, limits, isolation)
+
+
+def _program_path(filename: str) -> str:
+    """Where a Python program appears in the sandbox (its tracebacks name it)."""
+    if not re.fullmatch(r"[\w.-]+\.py", filename):
+        raise ValueError(f"filename must be a plain name ending in .py, got {filename!r}")
+    return f"{PROGRAM_DIR}/{filename}"
 
 
 def run_file(path: str | Path, *, stdin: str | bytes = b"", limits: Limits = Limits(),
@@ -199,7 +204,9 @@ def _parents_traversable(path: str) -> list[str]:
 
 
 def _sandbox_argv(argv: list[str], program_fds: dict[str, tuple[int, int]],
-                  limits: Limits) -> list[str]:
+                  limits: Limits, apply_limits: bool = True) -> list[str]:
+    """The whole command; `apply_limits` False leaves the limits (but the scratch size) to
+    the command itself (the fork server sets each program's)."""
     scratch_bytes = limits.scratch_mb << 20
     full = _bwrap_argv(program_fds) + [
         "--perms", "0777", "--size", str(scratch_bytes), "--tmpfs", SCRATCH,
@@ -210,7 +217,7 @@ def _sandbox_argv(argv: list[str], program_fds: dict[str, tuple[int, int]],
         full += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
                  "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
                  "unshare", "--user", "--"]
-    return full + _prlimit_argv(limits) + argv
+    return full + (_prlimit_argv(limits) if apply_limits else []) + argv
 
 
 def _environment() -> dict[str, str]:
@@ -282,7 +289,8 @@ def _execute(argv: list[str], stdin_fd: int, pass_fds: list[int], limits: Limits
                             pass_fds=pass_fds, cwd=cwd, env=env, start_new_session=True)
     cap = limits.max_output_kb << 10
     try:
-        out, err, over, timed_out = _read_capped(proc, cap, start + limits.timeout_s)
+        out, err, over, timed_out = _read_capped(proc.stdout, proc.stderr, cap,
+                                                 start + limits.timeout_s)
         if over or timed_out:
             _kill(proc, weak)
         try:
@@ -301,11 +309,11 @@ def _execute(argv: list[str], stdin_fd: int, pass_fds: list[int], limits: Limits
     return _result(code, stdout, stderr, seconds, over, timed_out)
 
 
-def _read_capped(proc: subprocess.Popen, cap: int, deadline: float
+def _read_capped(stdout: BinaryIO, stderr: BinaryIO, cap: int, deadline: float
                  ) -> tuple[bytearray, bytearray, bool, bool]:
     """Read stdout and stderr until both close, one passes `cap` bytes (over) or the
     deadline passes (timed out); past the cap nothing more is read."""
-    buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    buffers = {stdout: bytearray(), stderr: bytearray()}
     with selectors.DefaultSelector() as selector:
         for stream in buffers:
             os.set_blocking(stream.fileno(), False)
@@ -313,7 +321,7 @@ def _read_capped(proc: subprocess.Popen, cap: int, deadline: float
         while selector.get_map():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return buffers[proc.stdout], buffers[proc.stderr], False, True
+                return buffers[stdout], buffers[stderr], False, True
             for key, _ in selector.select(timeout=remaining):
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
@@ -322,8 +330,8 @@ def _read_capped(proc: subprocess.Popen, cap: int, deadline: float
                 buffer = buffers[key.fileobj]
                 buffer += chunk
                 if len(buffer) > cap:
-                    return buffers[proc.stdout], buffers[proc.stderr], True, False
-    return buffers[proc.stdout], buffers[proc.stderr], False, False
+                    return buffers[stdout], buffers[stderr], True, False
+    return buffers[stdout], buffers[stderr], False, False
 
 
 def _kill(proc: subprocess.Popen, weak: bool) -> None:
