@@ -9,6 +9,7 @@ group, so the trainer waits inside `ProcessGroupGloo(...)`.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -197,3 +198,62 @@ def test_a_stop_signal_stops_an_actor_waiting_for_the_go_at_once(
     assert time.monotonic() - t0 < 5, out
     assert actor.returncode == 130, out
     assert "Traceback" not in out, out
+
+
+# ---- a trainer rank waiting for the others (the trainer's process group) --------------------
+
+_TRAINER_RANK = """
+import sys
+import pipelinerl.trainer
+from pipelinerl.cli import run
+from pipelinerl.process_group import init_distributed
+
+timeout_s = float(sys.argv.pop())
+# The trainer's setup, up to its process group.
+pipelinerl.trainer.run_trainer = lambda cfg: init_distributed("cpu", timeout_s=timeout_s)
+sys.argv = ["pipelinerl", "trainer", *sys.argv[1:]]
+run()
+"""
+
+
+def _rank1_alone(tmp_path: Path, timeout_s: float) -> subprocess.Popen:
+    """Trainer rank 1 of 2 (as torchrun starts it), whose rank 0 never comes: rank 1 waits
+    in the process group's rendezvous."""
+    config = tmp_path / "config.yaml"
+    config.write_text("name: t\nmodel:\n  preset: tiny\neval:\n  enabled: false\n")
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER_RANK, str(config),
+                             f"output_dir={tmp_path}", "run_id=r1", str(timeout_s)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120  # the role's imports, on a loaded machine
+    while not (tmp_path / "t" / "logs").exists():  # _run_role made it: the role runs
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_a_trainer_rank_waiting_for_its_process_group(
+        tmp_path: Path, stray: list[subprocess.Popen], sig: signal.Signals) -> None:
+    proc = _rank1_alone(tmp_path, timeout_s=120)
+    stray.append(proc)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=30)[0]
+    assert time.monotonic() - t0 < 5, out
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out
+
+
+def test_a_trainer_rank_waiting_for_its_process_group_fails_within_the_timeout(
+        tmp_path: Path, stray: list[subprocess.Popen]) -> None:
+    proc = _rank1_alone(tmp_path, timeout_s=4)  # its wait began at least 1 s ago
+    stray.append(proc)
+    t0 = time.monotonic()
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out
+    assert ("trainer rank 1: the trainer's gloo process group (2 ranks) did not form within "
+            "4.0 s") in out, out
+    assert time.monotonic() - t0 < 4 + 2 + 2, out  # the bound, then _bounded's grace

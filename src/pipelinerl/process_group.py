@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from pipelinerl.sync.broadcast import _bounded
 from pipelinerl.types import Group
 
 # share_groups' payload when rank 0 publishes while it waits (Trainer.serve_rejoined).
@@ -38,7 +39,11 @@ def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = Fal
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        # A rank waits here for the others (torchrun's store, the backend's connections): in
+        # a thread, so a stop signal is heard meanwhile, and never past the timeout.
+        _bounded(lambda: dist.init_process_group(backend=backend, timeout=timeout), timeout_s,
+                 f"trainer rank {rank}: the trainer's {backend} process group ({world} ranks) "
+                 f"did not form within {timeout_s} s")
     return rank, world, device
 
 
