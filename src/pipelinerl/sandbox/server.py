@@ -37,7 +37,8 @@ from pipelinerl.sandbox.core import (
 )
 
 _SERVER = r'''
-import ctypes, json, linecache, os, resource, shutil, signal, socket, sys, traceback, types
+import atexit, ctypes, json, linecache, os, resource, shutil, signal, socket, sys
+import threading, traceback, types
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: programs (same uid) cannot ptrace this server
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -73,16 +74,42 @@ def run_child(request, fds, scratch):
 def child(request, fds, scratch):
     try:
         run_child(request, fds, scratch)
-    except SystemExit:
-        raise  # the interpreter's own exit: its code, atexit, non-daemon threads joined
+        code = 0
+    except SystemExit as error:
+        code = exit_code(error.code)
     except BaseException as error:
         tb = error.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
             tb = tb.tb_next  # the server's own frames: the traceback starts in the program
         traceback.print_exception(type(error), error, tb)
-        sys.stderr.flush()
-        raise SystemExit(1)
-    raise SystemExit(0)
+        code = 1
+    finish(code)
+
+def exit_code(code):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+def finish(code):
+    """What the interpreter's exit does for a program (non-daemon threads joined, atexit
+    handlers, streams flushed) without its finalization, ~10 ms a run."""
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(code)
 
 def clean():
     try:
