@@ -421,12 +421,14 @@ def test_many_open_files_hit_the_limit(run: Run) -> None:
 
 # -- the fork server ----------------------------------------------------------------------------
 def test_fork_server_leaves_the_next_program_nothing() -> None:
-    """Files (a 000 directory, one beside the scratch directory), a System V shared memory
-    segment and message queue, and a background process: all gone before the next program."""
+    """Files (a 000 directory, one beside the scratch directory, a link to /dev), a System V
+    shared memory segment and message queue, and a background process: all gone before the
+    next program."""
     leave = ("import ctypes, os, subprocess\nlibc = ctypes.CDLL(None)\n"
              "assert libc.shmget(1234, 4096, 0o1600) >= 0\nassert libc.msgget(99, 0o1600) >= 0\n"
              "os.makedirs('locked/inner')\nopen('locked/inner/f', 'w').write('x')\n"
              "os.chmod('locked', 0)\nopen('/scratch/beside', 'w').write('x')\n"
+             "os.symlink('/dev', 'to_dev')\n"
              "subprocess.Popen(['/bin/sleep', '100'], start_new_session=True)\n"
              "print(len(open('/proc/sysvipc/shm').readlines()) - 1)\n")
     look = ("import os\nprint(os.listdir('/scratch'), os.listdir('.'))\n"

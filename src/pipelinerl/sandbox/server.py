@@ -46,6 +46,7 @@ control = socket.socket(fileno=int(sys.argv[1]))
 LIMITS = {"cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS, "nproc": resource.RLIMIT_NPROC,
           "nofile": resource.RLIMIT_NOFILE, "fsize": resource.RLIMIT_FSIZE,
           "core": resource.RLIMIT_CORE, "msgqueue": resource.RLIMIT_MSGQUEUE}
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)  # the syscall's number
 
 def run_child(request, fds, scratch):
     for target, fd in enumerate(fds[:3]):
@@ -127,7 +128,8 @@ def clean():
         pass
     for root, dirs, _files in os.walk("/scratch"):
         for name in dirs:  # a program's chmod 000 must not keep its files for the next
-            os.chmod(os.path.join(root, name), 0o700)
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o700)
     for name in os.listdir("/scratch"):
         path = os.path.join("/scratch", name)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -140,7 +142,8 @@ def clean():
         with open(f"/proc/sysvipc/{kind}") as table:
             for line in list(table)[1:]:
                 remove(int(line.split()[1]))
-    libc.syscall(250, 7, -4)  # keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING), x86-64
+    if KEYCTL is not None:
+        libc.syscall(KEYCTL, 7, -4)  # keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
 
 count = 0
 while True:
