@@ -257,3 +257,57 @@ def test_a_trainer_rank_waiting_for_its_process_group_fails_within_the_timeout(
     assert ("trainer rank 1: the trainer's gloo process group (2 ranks) did not form within "
             "4.0 s") in out, out
     assert time.monotonic() - t0 < 4 + 2 + 2, out  # the bound, then _bounded's grace
+
+
+# ---- a trainer rank waiting for rank 0's groups (the step's collective) ----------------------
+
+_RANK1_SHARING = """
+import sys
+import pipelinerl.trainer
+from pipelinerl.cli import run
+from pipelinerl.process_group import init_distributed, share_groups
+
+def wait_for_groups(cfg):  # a non-zero rank's step, up to rank 0's groups
+    rank, world, _ = init_distributed("cpu", timeout_s=120)
+    print("sharing", flush=True)
+    share_groups(None, rank, world)
+
+pipelinerl.trainer.run_trainer = wait_for_groups
+sys.argv = ["pipelinerl", "trainer", *sys.argv[1:]]
+run()
+"""
+
+# Rank 0 joins the group, then waits for samples that never come: it never broadcasts.
+_RANK0_WAITING = """
+import time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+time.sleep(120)
+"""
+
+
+def test_a_stop_signal_stops_a_trainer_rank_waiting_for_rank_0s_groups(
+        tmp_path: Path, stray: list[subprocess.Popen]) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("name: t\nmodel:\n  preset: tiny\neval:\n  enabled: false\n")
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0_WAITING], env={**env, "RANK": "0"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rank1 = subprocess.Popen([sys.executable, "-c", _RANK1_SHARING, str(config),
+                              f"output_dir={tmp_path}", "run_id=r1"],
+                             env={**env, "RANK": "1", "LOCAL_RANK": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stray += [rank0, rank1]
+    assert rank1.stdout is not None
+    for line in rank1.stdout:  # the role's imports and the group's formation
+        if line.startswith("sharing"):
+            break
+    time.sleep(1.0)  # into the broadcast of rank 0's groups
+    assert rank1.poll() is None, rank1.communicate()[0]
+    t0 = time.monotonic()
+    rank1.send_signal(signal.SIGTERM)
+    out = rank1.communicate(timeout=30)[0]
+    assert time.monotonic() - t0 < 5, out
+    assert rank1.returncode == 130, out
+    assert "Traceback" not in out, out

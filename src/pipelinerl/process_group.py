@@ -4,6 +4,8 @@ groups, its clock's decisions) with the other ranks."""
 from __future__ import annotations
 
 import os
+import pickle
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -54,22 +56,49 @@ def share_groups(groups: list[Group] | None, rank: int, world: int,
     other ranks `publish` with rank 0 whenever it says so meanwhile (`call_to_publish`)."""
     if world == 1:
         return groups
-    payload = [None if rank != 0 or groups is None else [g.to_dict() for g in groups]]
-    dist.broadcast_object_list(payload, src=0)
-    while payload[0] == _PUBLISH_AGAIN:
+    payload = None if rank != 0 or groups is None else [g.to_dict() for g in groups]
+    payload = _broadcast_object(payload, rank)
+    while payload == _PUBLISH_AGAIN:
         assert publish is not None, "rank 0 publishes while waiting only when sharded"
         publish()
-        dist.broadcast_object_list(payload, src=0)
-    return None if payload[0] is None else [Group.from_dict(d) for d in payload[0][rank::world]]
+        payload = _broadcast_object(None, rank)
+    return None if payload is None else [Group.from_dict(d) for d in payload[rank::world]]
 
 
 def call_to_publish() -> None:
     """Rank 0, before it publishes while the other ranks wait in `share_groups`: they join in."""
-    dist.broadcast_object_list([_PUBLISH_AGAIN], src=0)
+    _broadcast_object(_PUBLISH_AGAIN, 0)
 
 
 def rank0_says(flag: bool, device: str) -> bool:
     """Rank 0's `flag` on every rank (a decision that reads rank 0's clock)."""
     flag_tensor = torch.tensor([float(flag)], device=device)  # NCCL broadcasts no CPU tensor
-    dist.broadcast(flag_tensor, src=0)
+    _heard(dist.broadcast(flag_tensor, src=0, async_op=True))
     return bool(flag_tensor.item())
+
+
+def _heard(work: dist.Work) -> None:
+    """Wait for a collective by polling it: the other ranks may wait here for as long as rank
+    0 waits for samples, and a main thread inside a native wait hears no stop signal. The
+    group's timeout (init_distributed) still ends a collective whose peer is gone: it then
+    completes with an error, which `wait` raises."""
+    pause = 0.0001
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    work.wait()
+
+
+def _broadcast_object(obj: object, rank: int) -> object:
+    """Rank 0's `obj` on every rank (as broadcast_object_list, whose waits are native)."""
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    data = pickle.dumps(obj) if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    _heard(dist.broadcast(size, src=0, async_op=True))
+    if rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _heard(dist.broadcast(buf, src=0, async_op=True))
+    return pickle.loads(buf.cpu().numpy().tobytes())
