@@ -22,6 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from pipelinerl.ports import free_port
+from pipelinerl.streams.redis_server import start_redis_server
 from pipelinerl.sync.broadcast import _bounded
 
 _ROLE = """
@@ -311,3 +312,60 @@ def test_a_stop_signal_stops_a_trainer_rank_waiting_for_rank_0s_groups(
     assert time.monotonic() - t0 < 5, out
     assert rank1.returncode == 130, out
     assert "Traceback" not in out, out
+
+
+# ---- a reader waiting on a Redis stream --------------------------------------------------
+
+_READER = """
+import sys
+from pipelinerl.stop_signals import install_role_signal_handlers
+from pipelinerl.streams.redis_stream import RedisStreamReader
+
+install_role_signal_handlers()  # as every role has them (cli._run_role)
+reader = RedisStreamReader(sys.argv[1], "t:r1", "rollouts")
+print("reading", flush=True)
+try:
+    print(reader.read(10, timeout_s=float(sys.argv[2])), flush=True)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def _reader(url: str, timeout_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _READER, url, str(timeout_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "reading\n", proc.communicate()[0]
+    time.sleep(0.5)  # into XREAD BLOCK
+    return proc
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["empty stream", "server stopped"])
+def test_a_stop_signal_stops_a_redis_stream_read_at_once(
+        tmp_path: Path, stray: list[subprocess.Popen], stalled: bool) -> None:
+    """A read blocked on an empty stream, or on a server that stopped answering (SIGSTOP: a
+    hung host), with 60 s to wait: SIGTERM ends it at once."""
+    with start_redis_server(tmp_path, appendonly=False) as server:
+        proc = _reader(server.url, timeout_s=60)
+        stray.append(proc)
+        if stalled:
+            server.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            out = proc.communicate(timeout=30)[0]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+    assert time.monotonic() - t0 < 3, out
+    assert proc.returncode == 130, out
+
+
+def test_a_redis_stream_read_returns_at_its_timeout(tmp_path: Path,
+                                                    stray: list[subprocess.Popen]) -> None:
+    with start_redis_server(tmp_path, appendonly=False) as server:
+        proc = _reader(server.url, timeout_s=2)
+        stray.append(proc)
+        t0 = time.monotonic()
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and out.strip() == "[]", out
+    assert 1.5 < time.monotonic() - t0 < 2 + 2, out
