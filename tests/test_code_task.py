@@ -242,3 +242,12 @@ def test_humaneval_heldout_set_canonical_solutions_pass_and_a_wrong_one_fails():
         assert task.score(problem, solution).outcome == "passed", problem.problem_id
         assert task.score(problem, "    return None\n").outcome in ("wrong_answer",
                                                                    "runtime_error")
+
+
+@needs_bwrap
+def test_weak_isolation_scores_the_same_without_a_fork_server():
+    problem = make_problem(FAMILIES[0], 3)
+    weak = make_task("code", {"isolation": "weak", "time_limit_s": 0.5})
+    assert weak.score(problem, f"```python\n{ADD_3}```").outcome == "passed"
+    assert weak.score(problem, "```python\ndef add_3(x):\n    while True: pass\n```"
+                      ).outcome == "timeout"

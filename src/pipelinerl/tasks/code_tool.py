@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-from pipelinerl.sandbox import run_python
 from pipelinerl.tasks.base import Problem, Score, require_int
 from pipelinerl.tasks.code import STARTUP_S, CodeTask
 from pipelinerl.tasks.environment import Reply, Turn
@@ -61,8 +60,7 @@ class CodeToolTask(CodeTask):
         program = call.group(1).split("<code>")[-1] if call else ""
         if not program.strip():
             return Reply("<output>\nno program between <code> and </code>\n</output>")
-        result = run_python(program, isolation=self.isolation,  # type: ignore[arg-type]
-                            limits=self._limits(STARTUP_S + self.time_limit_s))
+        result = self._run_python(program, STARTUP_S + self.time_limit_s)
         return Reply(tool_reply(result.status, result.exit_code, result.stdout, result.stderr))
 
     def score(self, problem: Problem, completion: str) -> Score:
