@@ -59,14 +59,6 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("config", help="the YAML config naming the task and the eval section")
     evaluate.add_argument("overrides", nargs="*")
 
-    view = sub.add_parser("view", help="browse a run's samples in a local page, live while it "
-                                       "trains (served to 127.0.0.1 unless --host names another)")
-    view.add_argument("run_dir", help="the run directory (output_dir/name), or a copy of one")
-    view.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    view.add_argument("--port", type=int, default=8765, help="port to serve on (0: any free one)")
-    view.add_argument("--export", metavar="FILE", default=None,
-                      help="write one self-contained HTML file of the run's page and exit")
-
     sandbox = sub.add_parser("sandbox", help="run one program in the sandbox and print its "
                                              "result (status, exit code, output, seconds)")
     sandbox.add_argument("file", help="the program (a .py file runs under python; any other "
@@ -158,11 +150,6 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
 
         signals.hand_back()
         return audit_main(args.run_dir)
-    if args.command == "view":
-        from pipelinerl.viewer.command import main as view_main
-
-        signals.hand_back()
-        return view_main(args)
     if args.command == "sandbox":
         from pipelinerl.sandbox.command import main as sandbox_main
 
