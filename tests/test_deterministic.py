@@ -5,7 +5,11 @@ free-running actor left as it was; settings not yet replayed refused naming thei
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,7 @@ import pytest
 from fake_tasks import FakeTask
 import torch
 from test_actor import FakeEngine, FakeReceiver, ListWriter, decode, encode, stop_after
+from test_reliability import _pid_of, _train, _wait_for_step
 from test_schedule import _ListReader
 
 from pipelinerl.actor import Actor, Streams
@@ -22,13 +27,22 @@ from pipelinerl.config import Config, ConfigError, load_config
 from pipelinerl.launch import check_task, launch
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import Codec
+from pipelinerl.checkpoint import CheckpointDue
 from pipelinerl.replay import (
     WALL_CLOCK_FIELDS,
+    ResumePoint,
     ScoreQueue,
+    SupersededFilter,
     TrainerMirror,
     check_deterministic_task,
+    choose_resume_point,
+    paired_checkpoint,
+    read_snapshot,
     request_seed,
+    snapshot_path,
+    superseded_after,
     weights_sha256,
+    write_snapshot,
 )
 from pipelinerl.tasks import make_train_task
 from pipelinerl.types import Group, Sample
@@ -144,14 +158,22 @@ def test_versions_fall_due_after_the_groups_that_train_them_and_the_lag():
     assert done == [False] * 9 + [True]  # 5 steps of 2 groups
 
 
+def _all_due(queue: ScoreQueue, decode_steps: int, idle: bool) -> list[str]:
+    keys = []
+    while (key := queue.pop_due(decode_steps, idle)) is not None:
+        keys.append(key)
+    return keys
+
+
 def test_scores_come_in_send_order_at_their_step_or_all_when_idle():
     queue = ScoreQueue(delay=3)
     queue.expect("a", 0)
     queue.expect("b", 1)
     queue.expect("c", 5)
-    assert queue.due(2, idle=False) == []
-    assert queue.due(4, idle=False) == ["a", "b"]
-    assert queue.due(4, idle=True) == ["c"]
+    assert _all_due(queue, 2, idle=False) == []
+    assert _all_due(queue, 4, idle=False) == ["a", "b"]
+    assert queue.entries() == [("c", 8)]
+    assert _all_due(queue, 4, idle=True) == ["c"]
 
 
 def test_request_seeds_differ_by_group_attempt_and_seed_and_repeat():
@@ -217,11 +239,13 @@ def test_deterministic_takes_weights_once_the_trainer_could_have_made_them():
 
 class _InstantTrainer(ListWriter):
     """The fastest trainer there can be: it publishes version v the moment the v * 2-th
-    group is written (2 groups a step, none stale), and notes the engine's version then."""
+    group is written (2 groups a step, none stale; `start`: groups it had before), and notes
+    the engine's version then."""
 
-    def __init__(self, engine_version: Any) -> None:
+    def __init__(self, engine_version: Any, start: int = 0) -> None:
         super().__init__()
-        self.published = [0]
+        self.published = [start // 2]
+        self.start = start
         self.engine_version = engine_version
         self.versions_at_write: list[int] = []
 
@@ -229,7 +253,7 @@ class _InstantTrainer(ListWriter):
         super().write(record)
         if not record.get("heartbeat"):
             self.versions_at_write.append(self.engine_version())
-            self.published[0] = len(self.records) // 2
+            self.published[0] = (self.start + len(self.records)) // 2
 
 
 def test_a_trainer_that_is_never_behind_never_overtakes_the_logical_clock():
@@ -247,6 +271,119 @@ def test_a_trainer_that_is_never_behind_never_overtakes_the_logical_clock():
     assert trainer.versions_at_write == [max(n - 2, 0) // 2 for n in range(1, 13)]
 
 
+# ---- snapshots and resume points --------------------------------------------------------------
+
+
+class _SeededEngine(_WeightEngine):
+    """Each request's tokens and length follow from its sampler seed, as a real engine's draws
+    do: an actor that restores the wrong seeds, group ids or data publishes other groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._capacity = 6  # 3 groups at once: groups finish out of order
+        self._seed_of: dict[str, int] = {}
+
+    def add_request(self, request) -> None:
+        self._seed_of[request.request_id] = request.params.seed
+        super().add_request(request)
+
+    def length_of(self, request_id: str) -> int:
+        return 2 + self._seed_of[request_id] % 5
+
+    def step(self):
+        return [replace(out, token_ids=[1 + self._seed_of[out.request_id] % 9] * len(out.token_ids))
+                for out in super().step()]
+
+
+def _snapshotting_actor(run_dir: Path, start_groups: int = 0
+                        ) -> tuple[Actor, _InstantTrainer]:
+    """A deterministic actor (2 groups a step) snapshotting every 2 versions, its groups read
+    by an instant trainer that has already taken `start_groups` of them."""
+    cfg = Config(output_dir=str(run_dir.parent), name=run_dir.name,
+                 trainer={"batch_size": 4, "checkpoint_every_steps": 2},
+                 engine={"max_new_tokens": 8, "max_seq_len": 40},
+                 actor={"group_size": 2, "max_lag": 1, "verifier_workers": 1,
+                        "max_restarts": 0},
+                 deterministic={"enabled": True, "lag_groups": 1, "score_delay_steps": 2})
+    engine_box: list[_SeededEngine] = []
+    trainer = _InstantTrainer(lambda: engine_box[0].version, start_groups)
+    engine = _SeededEngine()
+    engine_box.append(engine)
+    streams = Streams(trainer, FakeReceiver(trainer.published), MemoryLedger(), stop_after(60))
+    task = make_train_task("arithmetic", {}, 0.0)
+    actor = Actor(cfg, engine, task, Codec(encode, decode, encode, stop_ids=(0,)), streams)
+    return actor, trainer
+
+
+def _logical(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**r, "actor_stats": {k: v for k, v in r["actor_stats"].items()
+                                  if f"actor_{k}" not in WALL_CLOCK_FIELDS}} for r in records]
+
+
+def test_an_actor_resumed_from_a_snapshot_publishes_what_the_uninterrupted_one_did(tmp_path):
+    whole, trainer = _snapshotting_actor(tmp_path / "run")
+    whole.run(max_groups=20)
+    snapshots = sorted((tmp_path / "run" / "replay" / "actor_0").glob("step_*.pkl"))
+    assert [p.name for p in snapshots][-2:] == ["step_00000006.pkl", "step_00000008.pkl"]
+    state = read_snapshot(snapshots[-2])
+    # Taken with the engine empty, some groups waiting for their scores (held by the drain).
+    assert state["version"] == 6 and state["groups"] and state["score_queue"]
+    assert state["published"] == 6 * 2 + 1  # version 6 falls due at 2 x 6 + lag_groups groups
+
+    resumed, again = _snapshotting_actor(tmp_path / "resumed", state["published"])
+    again.published[0] = state["version"]  # what a trainer resumed from step 6 publishes first
+    resumed.run(max_groups=20, resume=state)
+    assert _logical(again.records) == _logical(trainer.records[state["published"]:])
+    assert len(again.records) == 20 - state["published"]
+    # The counters go on: actor_* metrics equal too.
+    assert again.records[-1]["actor_stats"]["weight_updates"] == \
+        trainer.records[-1]["actor_stats"]["weight_updates"]
+
+
+def test_resume_points_pair_a_checkpoint_with_the_actors_snapshot_at_its_step(tmp_path):
+    run_dir = tmp_path / "run"
+    assert choose_resume_point(run_dir, 1) == ResumePoint(1, 0, 0, None, None)  # nothing yet
+    for step in (2, 4, 6):  # checkpoints of steps 2, 4, 6; snapshots of versions 2 and 4
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
+            json.dumps({"step": step}))
+    for step, seq in ((2, 9), (4, 18)):
+        write_snapshot(run_dir, 0, step, {"published": seq}, keep=2)
+    point = choose_resume_point(run_dir, 1)
+    assert (point.step, point.seq) == (4, 18) and point.checkpoint.endswith("step_00000004")
+    assert read_snapshot(point.snapshot) == {"published": 18}
+    write_snapshot(run_dir, 0, 6, {"published": 27}, keep=2)
+    assert not snapshot_path(run_dir, 0, 2).exists()  # the newest 2 kept
+    assert paired_checkpoint(run_dir).name == "step_00000006"
+
+
+def test_groups_a_later_attempt_published_again_are_left_out(tmp_path):
+    # Attempt 1 resumed after 10 groups, attempt 2 after 14 (from attempt 1's snapshot),
+    # attempt 3 after 10 again (attempt 2 died before its first snapshot).
+    points = [ResumePoint(1, 4, 10, "c", "s"), ResumePoint(2, 6, 14, "c", "s"),
+              ResumePoint(3, 4, 10, "c", "s")]
+    kept = superseded_after(points)
+    assert kept == {0: 10, 1: 10, 2: 10}
+    assert superseded_after(points[:2]) == {0: 10, 1: 14}
+    records = [{"attempt": a, "seq": s, "group_id": f"{a}-{s}"}
+               for a, seqs in ((0, range(1, 13)), (1, range(11, 16)), (3, range(11, 13)))
+               for s in seqs]
+    records.insert(5, {"heartbeat": True, "attempt": 0, "seq": 40})
+    reader = SupersededFilter(_ListReader(records), kept)
+    read = reader.read(100, 0.0)
+    assert [r.get("group_id") for r in read] == [*(f"0-{s}" for s in range(1, 6)), None,
+                                                 *(f"0-{s}" for s in range(6, 11)),
+                                                 "3-11", "3-12"]
+
+
+def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
+    free, aligned = CheckpointDue(4, 0.0), CheckpointDue(4, 0.0, aligned=True)
+    free.done(3)  # a checkpoint the clock added at step 3
+    aligned.done(3)
+    assert [s for s in range(4, 13) if free(s)] == [7, 8, 9, 10, 11, 12]
+    assert [s for s in range(4, 13) if aligned(s)] == [4, 8, 12]
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 
 
@@ -259,8 +396,6 @@ def test_a_trainer_that_is_never_behind_never_overtakes_the_logical_clock():
     ("engine.backend=vllm", "engine.backend"),
     ("trainer.num_procs=2", "trainer.num_procs"),
     ("trainer.max_time_s=60", "trainer.max_time_s"),
-    ("trainer.max_restarts=1", "trainer.max_restarts"),
-    ("attempt=1", "attempt"),
     ("eval.enabled=true", "eval.enabled"),
     ("deterministic.lag_groups=8", "deterministic.lag_groups"),
 ])
@@ -296,3 +431,72 @@ def test_an_environment_task_is_refused_at_launch_naming_the_task():
         check_deterministic_task(cfg, task)  # what the actor checks too
     check_deterministic_task(cfg, make_train_task("arithmetic", {}, 0.0))
     check_task(load_config(None, ["task.name=calculator"]))  # free-running: accepted
+
+
+# ---- a crash changes nothing ------------------------------------------------------------------
+
+CRASH_STEPS = 8
+
+
+def _resume_args(runs: Path, cache: Path, name: str, *extra: str) -> list[str]:
+    return [f"name={name}", f"output_dir={runs}", f"warmstart.cache_dir={cache}",
+            "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
+            "actor.group_size=4", "actor.max_lag=2", "actor.max_restarts=0",
+            "trainer.batch_size=16", f"trainer.max_steps={CRASH_STEPS}", "trainer.max_time_s=0",
+            "trainer.checkpoint_every_steps=2", "trainer.sample_timeout_s=120",
+            "metrics.progress=false", "metrics.plot=false", "metrics.samples_per_step=-1",
+            "deterministic.enabled=true", "deterministic.lag_groups=2",
+            "trainer.loss.entropy_coef=0.01",
+            "task.params={min_terms: 2, max_terms: 2, max_operand: 3}", *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, warm_cache: Path) -> Path:
+    runs = tmp_path_factory.mktemp("runs")
+    whole = _train(_resume_args(runs, warm_cache, "whole"))
+    _, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err[-4000:]
+    return runs / "whole"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("role", ["trainer", "actor"])
+def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted(
+        tmp_path, warm_cache, uninterrupted, role):
+    """SIGKILL to a role's process group at a random step: the trainer's, then `--resume`; an
+    actor's, which the launcher resumes the run for (trainer.max_restarts). The run ends with
+    the uninterrupted run's final weights hash, its metrics.jsonl rows (every step once, equal
+    but for the wall-clock fields), samples.jsonl (every group) and trained.jsonl."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    kill_at = rng.randint(1, CRASH_STEPS - 2)
+    why = f"{role} killed after step {kill_at} (seed {seed}): "
+    auto_resume = ["trainer.max_restarts=1"] if role == "actor" else []
+    args = _resume_args(tmp_path / "runs", warm_cache, "killed", *auto_resume)
+    run_dir = tmp_path / "runs" / "killed"
+    proc = _train(args)
+    _wait_for_step(proc, run_dir, kill_at, poll_s=0.01)
+    time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or two
+    pattern = (f"pipelinerl.cli trainer {run_dir}/config.yaml" if role == "trainer"
+               else f"actor {run_dir}/config.yaml --actor-id 0")
+    os.killpg(_pid_of(pattern), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    if role == "trainer":
+        assert proc.returncode == 1, why + err[-4000:]
+        resumed = _train(args, "--resume")
+        _, err = resumed.communicate(timeout=300)
+        assert resumed.returncode == 0, why + err[-4000:]
+    else:
+        assert proc.returncode == 0, why + err[-4000:]
+        assert "the actor_0 died: resuming the run from its newest checkpoint" in err, why + err
+    resumed_from = next(line for line in err.splitlines()
+                        if line.startswith("deterministic resume (attempt 1) from "))
+    print(why + resumed_from)
+    if kill_at >= 4:  # step 2's checkpoint and snapshot were written by then
+        assert "checkpoint and the actor's snapshot" in resumed_from, why + resumed_from
+
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, CRASH_STEPS + 1)), why
+    assert _metrics(run_dir) == _metrics(uninterrupted), why
+    for name in ("samples.jsonl", "trained.jsonl", "weights.sha256"):
+        assert (run_dir / name).read_text() == (uninterrupted / name).read_text(), why + name

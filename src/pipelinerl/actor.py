@@ -35,8 +35,11 @@ from pipelinerl.replay import (
     ScoreQueue,
     TrainerMirror,
     check_deterministic_task,
+    read_snapshot,
     request_seed,
+    resume_point,
     use_deterministic_torch,
+    write_snapshot,
 )
 from pipelinerl.rl.advantages import zero_variance
 from pipelinerl.roles import (
@@ -145,6 +148,18 @@ class ActorStats:
     skipped_ids: defaultdict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     outcomes: Counter = field(default_factory=Counter)  # scores' outcomes, where a task says
 
+    # Counted on the logical clocks: a resumed actor continues them (`counts`).
+    COUNTS = ("generated_tokens", "decode_steps", "busy_slot_steps", "weight_updates",
+              "groups_published", "skipped", "skipped_ids", "outcomes")
+
+    def counts(self) -> dict[str, Any]:
+        """The counters a deterministic snapshot keeps (the rest are wall-clock)."""
+        return {name: getattr(self, name) for name in self.COUNTS}
+
+    def restore_counts(self, counts: dict[str, Any]) -> None:
+        for name in self.COUNTS:
+            setattr(self, name, counts[name])
+
     def skip(self, reason: str, problem_id: str) -> None:
         self.skipped[reason] += 1
         if len(self.skipped_ids[reason]) < MAX_SKIPPED_IDS:
@@ -220,7 +235,12 @@ class Actor:
         self.mirror: TrainerMirror | None = None
         self.score_queue: ScoreQueue | None = None
         self._scored: dict[str, Scored] = {}  # scores in before their group is due
+        # Snapshots (docs/determinism.md): after loading a version that is a multiple of this
+        # (0: never), admit and publish nothing until the engine is empty, then write one.
+        self.snapshot_every = 0
+        self.draining = False
         if cfg.deterministic.enabled:
+            self.snapshot_every = cfg.trainer.checkpoint_every_steps
             check_deterministic_task(cfg, task)
             self.mirror = TrainerMirror.of(cfg)
             self.score_queue = ScoreQueue(cfg.deterministic.score_delay_steps)
@@ -247,12 +267,17 @@ class Actor:
         self.streams.ledger.set(actor_id, self.published)
 
     # -- the loop ---------------------------------------------------------------------------
-    def run(self, max_groups: int | None = None) -> None:
+    def run(self, max_groups: int | None = None, resume: dict[str, Any] | None = None) -> None:
+        """The loop until the trainer stops (or `max_groups` are published); `resume`: a
+        deterministic snapshot's state to continue first (`restore`)."""
         try:
+            if resume is not None:
+                self.restore(resume)
             while not self.streams.should_stop():
                 if max_groups is not None and self.stats.groups_published >= max_groups:
                     break
                 if self.mirror is not None:
+                    self.maybe_snapshot()
                     self.publish_due_scores()
                 else:
                     self.maybe_update_weights()
@@ -355,14 +380,69 @@ class Actor:
 
     def publish_due_scores(self) -> None:
         """Deterministic mode: publish the groups whose scores are due by the decode clock,
-        in the order they were sent, waiting for their verifiers if need be."""
-        assert self.score_queue is not None and self.scorer is not None
-        for key in self.score_queue.due(self.stats.decode_steps, idle=self.in_flight == 0):
-            while key not in self._scored:
-                self._scored.update((s.key, s) for s in self.scorer.poll())
-                if key not in self._scored:
-                    self.scorer.wait(0.005)
+        in the order they were sent, waiting for their verifiers if need be; none while a
+        snapshot's drain holds them."""
+        assert self.score_queue is not None
+        idle = self.in_flight == 0
+        while not self.draining:
+            key = self.score_queue.pop_due(self.stats.decode_steps, idle)
+            if key is None:
+                return
+            self._await_scores([key])
             self.publish(self._scored.pop(key))
+
+    def _await_scores(self, keys: list[str]) -> None:
+        """Until the verifiers' scores of every group in `keys` are in `_scored`."""
+        assert self.scorer is not None
+        while missing := [key for key in keys if key not in self._scored]:
+            self._scored.update((s.key, s) for s in self.scorer.poll())
+            if any(key not in self._scored for key in missing):
+                self.scorer.wait(0.005)
+
+    def maybe_snapshot(self) -> None:
+        """Deterministic mode: once a snapshot's drain has emptied the engine, write this
+        actor's state (its groups waiting for their scores with the scores, all counters and
+        clocks) for a resume from the trainer's checkpoint of the version held."""
+        if not self.draining or self.in_flight:
+            return
+        assert self.score_queue is not None
+        waiting = [key for key, _ in self.score_queue.entries()]
+        assert sorted(waiting) == sorted(self._groups), "a started group is neither in the "\
+            "engine nor waiting for its scores"
+        self._await_scores(waiting)
+        keep = self.cfg.trainer.checkpoint_keep + 1  # one more than the trainer's: it pairs
+        path = write_snapshot(self.cfg.run_dir, self.actor_id, self.engine.version,
+                              self.state(), keep)
+        log.info("snapshot of version %d after %d groups written to %s", self.engine.version,
+                 self.published, path)
+        self.draining = False
+
+    def state(self) -> dict[str, Any]:
+        """Everything a deterministic actor's next moves depend on, the engine empty (its
+        weights are the trainer's checkpoint of `version`)."""
+        assert self.mirror is not None and self.score_queue is not None
+        return {"version": self.engine.version, "published": self.published,
+                "restart": self.restart, "next_group": self._next_group,
+                "rng": self.rng.getstate(), "task_position": getattr(self.task, "position", None),
+                "groups": dict(self._groups), "score_queue": self.score_queue.entries(),
+                "scored": dict(self._scored), "mirror": (self.mirror.usable, self.mirror.dropped),
+                "stats": self.stats.counts()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a snapshot `state`: the weights of its version from the trainer (which
+        publishes them on resuming from that step), then every counter and clock as it was."""
+        assert self.mirror is not None and self.score_queue is not None
+        self._await_version(state["version"])
+        self.published, self.restart = state["published"], state["restart"]
+        self._next_group = state["next_group"]
+        self.rng.setstate(state["rng"])
+        if state["task_position"] is not None:
+            self.task.seek(state["task_position"])
+        self._groups, self._scored = dict(state["groups"]), dict(state["scored"])
+        self.score_queue.restore(state["score_queue"])
+        self.mirror.usable, self.mirror.dropped = state["mirror"]
+        self.stats.restore_counts(state["stats"])
+        self.streams.ledger.set(self.actor_id, self.claimed())
 
     def land_due_weights(self) -> None:
         """Deterministic mode, after each group published: load the version the trainer
@@ -370,21 +450,29 @@ class Actor:
         after the group that makes it due, so the trainer cannot have gone past it yet."""
         assert self.mirror is not None
         due = self.mirror.version_due()
-        receiver = self.streams.receiver
-        if receiver is None or due <= self.engine.version:
+        if self.streams.receiver is None or due <= self.engine.version:
             return
+        self._await_version(due)
+        if self.snapshot_every and due % self.snapshot_every == 0:
+            self.draining = True
+
+    def _await_version(self, version: int) -> None:
+        """Wait for the trainer to publish `version` (or to stop), and load it."""
+        receiver = self.streams.receiver
+        assert receiver is not None
         t0 = time.monotonic()
-        while (available := receiver.poll()) != due:
-            if available is not None and available > due:
+        while (available := receiver.poll()) != version:
+            if available is not None and available > version:
                 raise RuntimeError(f"the trainer published version {available} while the actor "
-                                   f"waited for {due}: deterministic mode's schedule is broken")
+                                   f"waited for {version}: deterministic mode's schedule is "
+                                   "broken")
             if self.streams.should_stop():
                 return
             time.sleep(0.002)
         self.stats.idle_s += time.monotonic() - t0
         self.maybe_update_weights()
-        if self.engine.version != due:
-            raise RuntimeError(f"loaded version {self.engine.version}, expected {due}")
+        if self.engine.version != version:
+            raise RuntimeError(f"loaded version {self.engine.version}, expected {version}")
 
     def claimed(self) -> int:
         """This actor's places (see pipelinerl.admission)."""
@@ -421,7 +509,7 @@ class Actor:
             self.in_flight += 1
 
     def fill(self) -> None:
-        if self.needs_weights or (self.mirror is not None and self.mirror.done()):
+        if self.needs_weights or self.draining or (self.mirror is not None and self.mirror.done()):
             return
         long_in_a_row = 0
         while self._room_for_a_group() and self.claim_place():
@@ -631,7 +719,9 @@ def run_actor(cfg: Config, actor_id: int) -> None:
     codec, tokenizer = text_codec(cfg, cfg.model.path)
     control = Control(open_control_reader(cfg), cfg.attempt)
     writer, ledger = open_rollout_writer(cfg, actor_id), open_admission_ledger(cfg)
-    predecessor = predecessor_record(writer, actor_id)
+    # A deterministic actor continues its snapshot, if any (`_resume_deterministic`), never
+    # its predecessor's last record: what that process did after the snapshot is superseded.
+    predecessor = None if cfg.deterministic.enabled else predecessor_record(writer, actor_id)
     restart = next_restart(predecessor)
     # The engine samples with a seed of its own process too, not its predecessor's.
     engine = make_engine(cfg.engine, cfg.model.path, seed=process_seed(cfg.seed, actor_id, restart))
@@ -645,10 +735,26 @@ def run_actor(cfg: Config, actor_id: int) -> None:
     actor = Actor(cfg, engine, task, codec, streams, actor_id=actor_id, predecessor=predecessor,
                   endpoint=endpoint, episodes=episodes)
     try:
-        actor.run()
+        actor.run(resume=_snapshot_to_resume(cfg, actor_id))
     finally:
         streams.close()
         control.close()
+
+
+def _snapshot_to_resume(cfg: Config, actor_id: int) -> dict[str, Any] | None:
+    """A resumed deterministic run's actor continues the snapshot the launcher paired with the
+    trainer's checkpoint; None: it starts as the first attempt's did (no such pair, or not a
+    resumed deterministic run)."""
+    if not (cfg.deterministic.enabled and cfg.attempt):
+        return None
+    point = resume_point(cfg.run_dir, cfg.attempt)
+    if point.snapshot is None:
+        log.info("actor %d starts again from the run's start (no checkpoint with a snapshot)",
+                 actor_id)
+        return None
+    log.info("actor %d continues from its snapshot of version %d after %d groups (%s)",
+             actor_id, point.step, point.seq, point.snapshot)
+    return read_snapshot(point.snapshot)
 
 
 def _check_actor_id(cfg: Config, actor_id: int) -> None:

@@ -99,9 +99,10 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer: Any,
                     optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any],
-                    keep: int) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep`; returns its directory.
-    With a sharded model every rank calls it (`state` matters on rank 0 only)."""
+                    keep: int, protect: Path | None = None) -> Path:
+    """Write checkpoint `step` atomically and keep the newest `keep`, and `protect` (one an
+    older resume needs: deterministic mode's newest paired with an actor snapshot); returns
+    its directory. With a sharded model every rank calls it (`state` matters on rank 0 only)."""
     sharded = is_sharded(model)
     main = not sharded or dist.get_rank() == 0
     root = checkpoint_dir(run_dir)
@@ -147,7 +148,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, tokenizer:
         _fsync(root)
         shutil.rmtree(aside, ignore_errors=True)
         for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != protect:
+                shutil.rmtree(old, ignore_errors=True)
     if sharded:
         dist.barrier()  # no rank goes on (or loads it) before it is complete
     return final
@@ -224,14 +226,20 @@ def _fsync_tree(root: Path) -> None:
 
 
 class CheckpointDue:
-    """When the next checkpoint is due (trainer.checkpoint_every_steps / _every_s)."""
+    """When the next checkpoint is due (trainer.checkpoint_every_steps / _every_s). `aligned`:
+    the step rule checkpoints at multiples of every_steps, whatever checkpoints the clock added
+    (deterministic mode: the actor snapshots at those versions, and a resume pairs the two)."""
 
-    def __init__(self, every_steps: int, every_s: float, step: int = 0) -> None:
-        self.every_steps, self.every_s = every_steps, every_s
+    def __init__(self, every_steps: int, every_s: float, step: int = 0,
+                 aligned: bool = False) -> None:
+        self.every_steps, self.every_s, self.aligned = every_steps, every_s, aligned
         self.last_step, self.last_time = step, time.monotonic()
 
     def __call__(self, step: int) -> bool:
-        steps = self.every_steps and step - self.last_step >= self.every_steps
+        if self.aligned:
+            steps = self.every_steps and step % self.every_steps == 0
+        else:
+            steps = self.every_steps and step - self.last_step >= self.every_steps
         seconds = self.every_s and time.monotonic() - self.last_time >= self.every_s
         return step > self.last_step and bool(steps or seconds)
 

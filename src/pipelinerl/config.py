@@ -433,7 +433,9 @@ def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
         ("actor.num_actors", cfg.actor.num_actors > 1,
          "several actors share places in the order their processes reach the ledger"),
         ("actor.max_restarts", cfg.actor.max_restarts > 0,
-         "a restarted actor's groups depend on when it died; set actor.max_restarts=0"),
+         "an actor is not restarted alone (the trainer may have trained its groups after its "
+         "snapshot); set actor.max_restarts=0: a dead actor then ends the attempt, and "
+         "trainer.max_restarts or --resume resumes the whole run"),
         ("actor.endpoint_port", cfg.actor.endpoint_port is not None,
          "HTTP clients' requests join the batch when they arrive"),
         ("stream.backend", cfg.stream.backend != "local", "only the local stream is replayed"),
@@ -442,8 +444,6 @@ def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
         ("trainer.num_procs", cfg.trainer.num_procs > 1, "one trainer rank only"),
         ("trainer.max_time_s", cfg.trainer.max_time_s > 0,
          "a wall-clock budget ends the run after a varying step; bound it by trainer.max_steps"),
-        ("trainer.max_restarts", cfg.trainer.max_restarts > 0, "resumes are not replayed yet"),
-        ("attempt", cfg.attempt > 0, "a resumed run (--resume) is not replayed yet"),
         ("eval.enabled", cfg.eval.enabled, "the evaluator takes versions when they arrive"),
     ]
 

@@ -65,9 +65,11 @@ def new_run_id() -> str:
 
 
 # What a resumed run may not change (docs/reliability.md): the model, the task and the shape of
-# the batches its checkpoint, streams and admission counts were made for.
+# the batches its checkpoint, streams and admission counts were made for; and whether (and how)
+# it replays, which its actor snapshots were taken under (docs/determinism.md).
 RESUME_FIXED = ("model.path", "model.preset", "model.lora", "task", "mode", "conventional_g",
-                "trainer.batch_size", "actor.group_size", "actor.num_actors", "stream.backend")
+                "trainer.batch_size", "actor.group_size", "actor.num_actors", "stream.backend",
+                "deterministic")
 
 
 def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
@@ -127,7 +129,21 @@ def prepare_resume(cfg: Config) -> Config:
         if f.is_file():
             f.rename(earlier / f.name)
     save_config(cfg, saved_path)
+    if cfg.deterministic.enabled:
+        choose_deterministic_resume(cfg)
     return cfg
+
+
+def choose_deterministic_resume(cfg: Config) -> None:
+    """Pair the trainer's newest checkpoint that has an actor snapshot with that snapshot and
+    record it for both roles, before either starts (docs/determinism.md)."""
+    from pipelinerl.replay import choose_resume_point, record_resume_point  # torch
+
+    point = choose_resume_point(cfg.run_dir, cfg.attempt)
+    record_resume_point(cfg.run_dir, point)
+    where = (f"step {point.step}'s checkpoint and the actor's snapshot after {point.seq} groups"
+             if point.snapshot else "the run's start (no checkpoint has an actor snapshot)")
+    print(f"deterministic resume (attempt {cfg.attempt}) from {where}", file=sys.stderr)
 
 
 def _changed(saved: Config, cfg: Config, keys: tuple[str, ...]) -> list[str]:
@@ -285,16 +301,27 @@ def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
         # Starts no role once a stop signal came.
         code, failed = _run(cfg, signals, resume_command)
         for restart in range(1, cfg.trainer.max_restarts + 1):
-            if not (failed or "").startswith("trainer") or signals.stop:
+            if not _resumes_the_run(cfg, failed) or signals.stop:
                 break
-            print(f"\nthe trainer died: resuming the run from its newest checkpoint (restart "
-                  f"{restart} of trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr)
+            print(f"\nthe {'trainer' if failed.startswith('trainer') else failed} died: resuming "
+                  f"the run from its newest checkpoint (restart {restart} of "
+                  f"trainer.max_restarts={cfg.trainer.max_restarts})", file=sys.stderr)
             cfg = prepare_resume(cfg)
             code, failed = _run(cfg, signals, resume_command)
         return code
     finally:
         if not signals.stop:
             signals.restore()
+
+
+def _resumes_the_run(cfg: Config, failed: str | None) -> bool:
+    """Whether the death of role `failed` resumes the whole run (under trainer.max_restarts):
+    the trainer's; in deterministic mode an actor's too, which is never restarted alone (its
+    groups after its snapshot are published again, and the trainer may have trained them)."""
+    if failed is None:
+        return False
+    return failed.startswith("trainer") or (cfg.deterministic.enabled
+                                            and failed.startswith("actor"))
 
 
 def check_task(cfg: Config) -> None:

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from collections import deque
-from typing import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
 from pipelinerl.batches import is_stale, stale_bound
+from pipelinerl.checkpoint import complete_checkpoints, read_state
 from pipelinerl.config import Config
+from pipelinerl.records import append_row, read_rows
+from pipelinerl.streams.base import StreamReader
 from pipelinerl.tasks.base import Task
 from pipelinerl.tasks.environment import is_environment
 from pipelinerl.types import Group
@@ -119,10 +125,154 @@ class ScoreQueue:
     def expect(self, key: str, decode_steps: int) -> None:
         self._waiting.append((key, decode_steps + self.delay))
 
-    def due(self, decode_steps: int, idle: bool) -> list[str]:
-        """The keys due at `decode_steps`, oldest first; all of them when `idle` (nothing to
-        decode, so the decode clock stands)."""
-        keys = []
-        while self._waiting and (idle or self._waiting[0][1] <= decode_steps):
-            keys.append(self._waiting.popleft()[0])
-        return keys
+    def pop_due(self, decode_steps: int, idle: bool) -> str | None:
+        """The oldest key if it is due at `decode_steps` (any is when `idle`: nothing to decode,
+        so the decode clock stands), else None. One at a time: a version the actor loads after
+        a group may stop it from publishing the next (a snapshot's drain)."""
+        if self._waiting and (idle or self._waiting[0][1] <= decode_steps):
+            return self._waiting.popleft()[0]
+        return None
+
+    def entries(self) -> list[tuple[str, int]]:
+        """(key, decode step due), oldest first: an actor snapshot's part."""
+        return list(self._waiting)
+
+    def restore(self, entries: list[tuple[str, int]]) -> None:
+        self._waiting = deque(entries)
+
+
+# ---- crash and resume (docs/determinism.md, "A crash changes nothing") ---------------------
+#
+# The actor writes a snapshot of its whole state at the first engine-empty moment after it
+# loads a version that is a multiple of trainer.checkpoint_every_steps (it admits nothing and
+# publishes nothing in between, so it still holds that version and the trainer cannot have
+# trained past what it published). A resume pairs the trainer's newest checkpoint that has
+# such a snapshot at its step with that snapshot: the trainer continues from the checkpoint,
+# the actor from the snapshot, and the groups the actor published after it are superseded (the
+# resumed actor publishes them again, bit for bit).
+
+REPLAY_DIR = "replay"
+RESUMES_FILE = "resumes.jsonl"
+
+
+def snapshot_path(run_dir: Path, actor_id: int, step: int) -> Path:
+    return Path(run_dir) / REPLAY_DIR / f"actor_{actor_id}" / f"step_{step:08d}.pkl"
+
+
+def write_snapshot(run_dir: Path, actor_id: int, step: int, state: dict[str, Any],
+                   keep: int) -> Path:
+    """Write the actor's state at version `step` atomically (fsynced, then renamed) and keep
+    the newest `keep` snapshots."""
+    path = snapshot_path(run_dir, actor_id, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        pickle.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    for old in sorted(path.parent.glob("step_*.pkl"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def read_snapshot(path: Path) -> dict[str, Any]:
+    """A snapshot this run's actor wrote (pickle: the run directory is trusted, as its
+    checkpoints' trainer.pt is)."""
+    with Path(path).open("rb") as f:
+        return pickle.load(f)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where attempt `attempt` resumes: the trainer from its checkpoint of `step` (None: the
+    starting model, step 0), the actor from its snapshot there (None: from its start), after
+    `seq` groups of its published history."""
+
+    attempt: int
+    step: int
+    seq: int
+    checkpoint: str | None
+    snapshot: str | None
+
+    @property
+    def fresh(self) -> bool:
+        return self.snapshot is None
+
+
+def choose_resume_point(run_dir: Path, attempt: int, actor_id: int = 0) -> ResumePoint:
+    """The newest checkpoint with the actor's snapshot at its step, else the run's start."""
+    paired = paired_checkpoint(run_dir, actor_id)
+    if paired is None:
+        return ResumePoint(attempt, 0, 0, None, None)
+    step = read_state(paired)["step"]
+    snapshot = snapshot_path(run_dir, actor_id, step)
+    return ResumePoint(attempt, step, read_snapshot(snapshot)["published"], str(paired),
+                       str(snapshot))
+
+
+def paired_checkpoint(run_dir: Path, actor_id: int = 0) -> Path | None:
+    """The newest complete checkpoint whose step has a snapshot of the actor."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        if snapshot_path(run_dir, actor_id, read_state(path)["step"]).exists():
+            return path
+    return None
+
+
+def record_resume_point(run_dir: Path, point: ResumePoint) -> None:
+    """Before the attempt's roles start: both read it (`resume_point`)."""
+    path = Path(run_dir) / REPLAY_DIR / RESUMES_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    append_row(path, asdict(point))
+
+
+def resume_points(run_dir: Path) -> list[ResumePoint]:
+    path = Path(run_dir) / REPLAY_DIR / RESUMES_FILE
+    return [ResumePoint(**row) for row in read_rows(path)] if path.exists() else []
+
+
+def resume_point(run_dir: Path, attempt: int) -> ResumePoint:
+    """Attempt `attempt`'s resume point, as the launcher chose it."""
+    found = [p for p in resume_points(run_dir) if p.attempt == attempt]
+    if not found:
+        raise ValueError(f"deterministic.enabled=true with attempt={attempt}: no resume point "
+                         f"for it in {Path(run_dir) / REPLAY_DIR / RESUMES_FILE}; resume with "
+                         "`pipelinerl train CONFIG --resume`, which pairs a checkpoint with the "
+                         "actor's snapshot")
+    return found[-1]
+
+
+def superseded_after(points: list[ResumePoint]) -> dict[int, int]:
+    """Per earlier attempt, the published groups (seq) still in the run's history: those a
+    later resume's actor did not publish again (the lowest seq any later attempt resumed at)."""
+    attempts = {0, *(p.attempt for p in points)}
+    return {a: min(p.seq for p in points if p.attempt > a) for a in attempts
+            if any(p.attempt > a for p in points)}
+
+
+def is_superseded(attempt: int, seq: int, kept: Mapping[int, int]) -> bool:
+    """Whether group `seq` (its actor's count) of `attempt` was published again by a later
+    attempt (`kept`: from `superseded_after`)."""
+    return attempt in kept and seq > kept[attempt]
+
+
+class SupersededFilter:
+    """A rollout reader that leaves out groups superseded by a later attempt (`kept`, from
+    `superseded_after`): the trainer neither trains nor counts them."""
+
+    def __init__(self, reader: StreamReader, kept: Mapping[int, int]) -> None:
+        self.reader, self.kept = reader, dict(kept)
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
+        return [r for r in self.reader.read(max_count, timeout_s)
+                if r.get("heartbeat")
+                or not is_superseded(r.get("attempt", 0), int(r.get("seq", 0)), self.kept)]
+
+    def offsets(self) -> dict[str, Any]:
+        return self.reader.offsets()
+
+    def trim(self, offsets: dict[str, Any]) -> int:
+        return self.reader.trim(offsets)
+
+    def close(self) -> None:
+        self.reader.close()

@@ -46,7 +46,16 @@ from pipelinerl.parallel import (
 )
 from pipelinerl.process_group import call_to_publish, init_distributed, rank0_says, share_groups
 from pipelinerl.records import open_resumed, read_rows
-from pipelinerl.replay import use_deterministic_torch, weights_sha256
+from pipelinerl.replay import (
+    SupersededFilter,
+    is_superseded,
+    paired_checkpoint,
+    resume_point,
+    resume_points,
+    superseded_after,
+    use_deterministic_torch,
+    weights_sha256,
+)
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.rl.step import rl_step
@@ -112,8 +121,9 @@ class TrainerRun:
         rank, world, device = join_ranks(cfg)
         is_main = rank == 0
         # A resumed run (attempt > 0) continues from its newest complete checkpoint, or from the
-        # starting model when the crashed attempt wrote none.
-        checkpoint = agreed_latest_checkpoint(cfg.run_dir) if cfg.attempt else None
+        # starting model when the crashed attempt wrote none; a deterministic one from the
+        # checkpoint the launcher paired with the actor's snapshot.
+        checkpoint = resume_checkpoint(cfg) if cfg.attempt else None
         state = read_state(checkpoint)
         resume_step = (state or {}).get("step", 0) if cfg.attempt else None
         metrics, trained_log = open_records(cfg, resume_step) if is_main else (None, None)
@@ -128,7 +138,7 @@ class TrainerRun:
         if resume_step is not None:
             resume_attempt(cfg, trainer, checkpoint, evals, publish=is_main or sharded)
         due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
-                            trainer.step)
+                            trainer.step, aligned=cfg.deterministic.enabled)
         samples = (open_record(cfg.run_dir, cfg.metrics, tokenizer, resume_step) if is_main
                    else None)
         return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, sharded=sharded,
@@ -308,12 +318,24 @@ def build_model(cfg: Config, device: str, world: int) -> tuple[torch.nn.Module, 
     return model, wrapped
 
 
+def resume_checkpoint(cfg: Config) -> Path | None:
+    """The checkpoint a resumed attempt continues from (None: the starting model)."""
+    if not cfg.deterministic.enabled:
+        return agreed_latest_checkpoint(cfg.run_dir)
+    chosen = resume_point(cfg.run_dir, cfg.attempt).checkpoint
+    return Path(chosen) if chosen else None
+
+
 def open_channels(cfg: Config, offsets: dict | None, metrics: MetricsLogger | None
                   ) -> tuple[BatchSource, WeightSender, Writer, EvalResults | None]:
     """Rank 0's channels: the rollouts (read from the checkpoint's `offsets`), the weights, the
     control stream (places given back) and the evaluator's results (logged into `metrics`)."""
     control = open_control_writer(cfg)
-    source = BatchSource(open_rollout_reader(cfg, offsets), cfg.actor.group_size,
+    reader = open_rollout_reader(cfg, offsets)
+    if cfg.deterministic.enabled and cfg.attempt:
+        # Groups that a resumed actor published again: only the later copies count.
+        reader = SupersededFilter(reader, superseded_after(resume_points(cfg.run_dir)))
+    source = BatchSource(reader, cfg.actor.group_size,
                          stale_bound(cfg), cfg.trainer.sample_timeout_s,
                          announce=functools.partial(write_returned, control, cfg),
                          keep_dropped=cfg.metrics.samples_per_step)
@@ -379,11 +401,20 @@ class Trainer:
         """Write a checkpoint; then, unless stream.keep_all, delete the rollouts before its
         reader offsets: no resume goes back before the newest checkpoint."""
         state = self.checkpoint_state()
+        # Deterministic mode resumes only from a checkpoint the actor has a snapshot for: the
+        # newest such one is kept, and the stream it reads from.
+        paired = paired_checkpoint(self.cfg.run_dir) if self.cfg.deterministic.enabled else None
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
-                               self.scheduler, state, self.cfg.trainer.checkpoint_keep)
+                               self.scheduler, state, self.cfg.trainer.checkpoint_keep,
+                               protect=paired)
         log.info("checkpoint of step %d written to %s", self.step, path)
         if self.source is not None and not self.cfg.stream.keep_all:
-            self.source.trimmed += self.source.reader.trim(state["source"]["offsets"])
+            offsets = state["source"]["offsets"]
+            if self.cfg.deterministic.enabled:
+                paired_state = read_state(paired)
+                offsets = paired_state["source"]["offsets"] if paired_state else None
+            if offsets is not None:
+                self.source.trimmed += self.source.reader.trim(offsets)
         return path
 
     def resume(self, path: Path | None) -> None:
@@ -409,7 +440,14 @@ class Trainer:
             self.source.given_back_changed = True  # the new attempt's actors learn it at once
             self.last_record = (state["elapsed_s"], self.source.wait_s)
             resumes = record_resume(self.cfg.run_dir, self.cfg.attempt, self.step)
-            self.source.valid_upto = valid_upto(resumes)
+            if self.cfg.deterministic.enabled:
+                # The weights a crashed attempt published are made again bit for bit; what a
+                # resumed actor publishes again replaces its earlier copy (SupersededFilter).
+                kept = superseded_after(resume_points(self.cfg.run_dir))
+                self.source.buffer = [g for g in self.source.buffer
+                                      if not is_superseded(g.attempt, g.seq, kept)]
+            else:
+                self.source.valid_upto = valid_upto(resumes)
 
     def batches(self) -> Iterator[list[Group] | None]:
         """Yields one batch of groups per optimizer step, on the configured schedule; None once
