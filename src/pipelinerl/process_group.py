@@ -43,9 +43,13 @@ def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = Fal
     else:
         # A rank waits here for the others (torchrun's store, the backend's connections): in
         # a thread, so a stop signal is heard meanwhile, and never past the timeout.
-        _bounded(lambda: dist.init_process_group(backend=backend, timeout=timeout), timeout_s,
-                 f"trainer rank {rank}: the trainer's {backend} process group ({world} ranks) "
-                 f"did not form within {timeout_s} s")
+        failed = (f"trainer rank {rank}: the trainer's {backend} process group ({world} ranks) "
+                  f"did not form within {timeout_s} s")
+        try:
+            _bounded(lambda: dist.init_process_group(backend=backend, timeout=timeout),
+                     timeout_s, failed)
+        except dist.DistError as e:  # the store's own timeout, which may come first
+            raise TimeoutError(f"{failed}: {str(e).splitlines()[0]}") from e
     return rank, world, device
 
 
