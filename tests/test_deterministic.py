@@ -25,6 +25,7 @@ from pipelinerl.admission import MemoryLedger
 from pipelinerl.batches import BatchSource
 from pipelinerl.config import Config, ConfigError, load_config
 from pipelinerl.launch import check_task, launch
+from pipelinerl.roles import open_rollout_reader
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import Codec
 from pipelinerl.checkpoint import CheckpointDue
@@ -53,7 +54,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 # ---- two runs, the same bits ------------------------------------------------------------------
 
 
-def _run(tmp_path: Path, cache: Path, name: str) -> Path:
+def _run(tmp_path: Path, cache: Path, name: str, *extra: str) -> Config:
+    """A short deterministic run (`extra`: overrides on top); the config its roles read."""
     cfg = load_config(EXAMPLE, [
         f"name={name}", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={cache}",
         "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
@@ -65,20 +67,39 @@ def _run(tmp_path: Path, cache: Path, name: str) -> Path:
         # Weights move even where every reward of a group is equal (a 20-step warm start
         # rarely solves a problem): the entropy bonus has a gradient of its own.
         "trainer.loss.entropy_coef=0.01",
-        "task.params={min_terms: 2, max_terms: 2, max_operand: 3}",
+        "task.params={min_terms: 2, max_terms: 2, max_operand: 3}", *extra,
     ])
     assert launch(cfg) == 0
-    return cfg.run_dir
+    return load_config(cfg.run_dir / "config.yaml")
 
 
-def _rollouts(run_dir: Path) -> list[dict[str, Any]]:
-    """The actor's groups as written, its clock-measured stats left out."""
-    (path,) = run_dir.glob("streams/*/rollouts/actor_0.jsonl")
-    groups = [json.loads(line) for line in path.read_text().splitlines()]
-    groups = [g for g in groups if not g.get("heartbeat")]
+def _rollouts(cfg: Config) -> list[dict[str, Any]]:
+    """The actors' groups as the trainer reads them (any stream backend), their clock-measured
+    stats left out."""
+    reader = open_rollout_reader(cfg)
+    records: list[dict[str, Any]] = []
+    while batch := reader.read(1000, 0.0):
+        records.extend(batch)
+    reader.close()
+    groups = [g for g in records if not g.get("heartbeat")]
     for g in groups:
         g["actor_stats"] = {k: v for k, v in g["actor_stats"].items()
                             if f"actor_{k}" not in WALL_CLOCK_FIELDS}
+    return groups
+
+
+def _assert_replayed(first: Config, second: Config) -> list[dict[str, Any]]:
+    """The pair's rollouts, samples, trained groups, metrics (but the wall-clock fields) and
+    final weights hash are equal; returns the first run's groups."""
+    groups = _rollouts(first)
+    assert groups == _rollouts(second)  # tokens, versions, engine log-probs, rewards, order
+    for name in ("samples.jsonl", "trained.jsonl"):
+        assert (first.run_dir / name).read_text() == (second.run_dir / name).read_text()
+    assert _metrics(first.run_dir) == _metrics(second.run_dir)
+    assert [r["step"] for r in _metrics(first.run_dir)] == [1, 2, 3, 4]
+    assert all(r["grad_norm"] > 0 for r in _metrics(first.run_dir))
+    digest = (first.run_dir / "weights.sha256").read_text().strip()
+    assert digest == (second.run_dir / "weights.sha256").read_text().strip()
     return groups
 
 
@@ -89,27 +110,30 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def test_two_runs_of_one_config_replay_bit_for_bit(tmp_path, warm_cache):
     first, second = (_run(tmp_path, warm_cache, name) for name in ("first", "second"))
-    groups = _rollouts(first)
-    assert groups == _rollouts(second)  # tokens, versions, engine log-probs, rewards, order
-    for name in ("samples.jsonl", "trained.jsonl"):
-        assert (first / name).read_text() == (second / name).read_text()
-    assert _metrics(first) == _metrics(second)
-    assert [r["step"] for r in _metrics(first)] == [1, 2, 3, 4]
-    digest = (first / "weights.sha256").read_text().strip()
-    assert digest == (second / "weights.sha256").read_text().strip()
-    final = load_model(first / "final", dtype=torch.float32, device="cpu")
+    groups = _assert_replayed(first, second)
+    digest = (first.run_dir / "weights.sha256").read_text().strip()
+    final = load_model(first.run_dir / "final", dtype=torch.float32, device="cpu")
     assert digest == weights_sha256(final.state_dict())
-    assert all(r["grad_norm"] > 0 for r in _metrics(first))
     # Still a pipeline: weights landed in the middle of generations, so some completions
     # hold tokens of two versions, and groups were trained with lag.
     versions = [set(s["versions"]) for g in groups for s in g["samples"]]
     assert any(len(v) > 1 for v in versions)
-    assert max(r["lag_max"] for r in _metrics(first)) >= 1
-    assert _metrics(first)[-1]["actor_weight_updates"] >= 2
+    assert max(r["lag_max"] for r in _metrics(first.run_dir)) >= 1
+    assert _metrics(first.run_dir)[-1]["actor_weight_updates"] >= 2
     # Nothing past the trainer's last step: when the stop record arrives is timing.
-    trained = [json.loads(line) for line in (first / "trained.jsonl").read_text().splitlines()]
+    trained = [json.loads(line)
+               for line in (first.run_dir / "trained.jsonl").read_text().splitlines()]
     assert len(groups) == sum(len(r["trained"]) + sum(map(len, r["dropped"].values()))
                               for r in trained)
+
+
+def test_a_redis_stream_replays_as_the_local_one(tmp_path, warm_cache, redis_server):
+    # One actor writes one redis stream in order and the trainer XREADs it in that order:
+    # the same groups, in the same order, as through the local stream.
+    redis = ("stream.backend=redis", f"stream.redis_url={redis_server.url}")
+    first, second = (_run(tmp_path, warm_cache, name, *redis) for name in ("first", "second"))
+    groups = _assert_replayed(first, second)
+    assert len(groups) >= 4 * 4  # all of them, read back from the server
 
 
 # ---- the trainer mirror, the score queue, the seeds -------------------------------------------
@@ -391,7 +415,6 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
     ("actor.num_actors=2", "actor.num_actors"),
     ("actor.max_restarts=3", "actor.max_restarts"),
     ("actor.endpoint_port=8000", "actor.endpoint_port"),
-    ("stream.backend=redis", "stream.backend"),
     ("sync.backend=broadcast", "sync.backend"),
     ("engine.backend=vllm", "engine.backend"),
     ("trainer.num_procs=2", "trainer.num_procs"),
