@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
                                           "lost, duplicated")
     audit.add_argument("run_dir", help="the run directory (output_dir/name)")
 
+    view = sub.add_parser("view", help="browse a run's samples, per-token provenance, held-out "
+                                       "completions and health panel in a local page")
+    from pipelinerl.viewer.command import add_arguments as view_arguments
+
+    view_arguments(view)
+
     prepare = sub.add_parser("prepare", help="fetch a known model (or dequantize a .gguf file) "
                                              "into the user cache, once; prints its directory")
     prepare.add_argument("model", help="a known model's name (smollm2) or a .gguf file")
@@ -150,6 +156,11 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
 
         signals.hand_back()
         return audit_main(args.run_dir)
+    if args.command == "view":
+        from pipelinerl.viewer.command import main as view_main
+
+        signals.hand_back()
+        return view_main(args)
     if args.command == "sandbox":
         from pipelinerl.sandbox.command import main as sandbox_main
 

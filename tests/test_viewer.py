@@ -1,0 +1,265 @@
+"""The viewer's reading of a run directory, its filters, its server and `pipelinerl view`
+(without a browser: tests/test_viewer_browser.py loads the page of a real run in Chromium)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from pipelinerl.viewer.export import export_html
+from pipelinerl.viewer.query import (EvalQuery, Filters, QueryError, compare_eval,
+                                     select_groups)
+from pipelinerl.viewer.run_data import RunView, ViewerError
+from pipelinerl.viewer.server import PanelCache, make_app
+
+
+def group_row(step: int, n: int = 3, problem: str = "1+1=", dropped: str | None = None,
+              completion: str = "A=2") -> dict[str, Any]:
+    """A samples.jsonl line in the layout docs/viewing.md gives; sample j has reward j/(n-1),
+    length 3 + j, finish 'length' for the last one."""
+    samples = []
+    for j in range(n):
+        length = 3 + j
+        samples.append({
+            "completion": completion, "reward": j / (n - 1), "success": j == n - 1,
+            "advantage": None if dropped else j - 1.0,
+            "finish_reason": "length" if j == n - 1 else "stop", "length": length,
+            "turns": 1, "episode": None, "actor_id": 0,
+            "tokens": {"text": ["x"] * length, "version": [step - 1] * length,
+                       "lag": [j] * length, "engine_logprob": [-0.5] * length,
+                       "trainer_logprob": [None if dropped else -0.4] * length,
+                       "importance_weight": [None if dropped else 1.105] * length,
+                       "mask": [0 if dropped else 1] * length}})
+    row = {"step": step, "version": step - 1, "group_id": f"a0-g{step}", "problem": problem,
+           "prompt": problem, "samples": samples}
+    if dropped:
+        row["dropped"] = dropped
+    return row
+
+
+def eval_row(version: int, pid: str, success: bool, mode: str = "greedy") -> dict[str, Any]:
+    return {"version": version, "attempt": 0, "mode": mode, "problem_id": pid, "problem": pid,
+            "prompt": pid, "attempts": [{"completion": "A=?", "reward": float(success),
+                                         "success": success, "finish_reason": "stop",
+                                         "length": 4}], "failure": None}
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]], mode: str = "w") -> None:
+    with path.open(mode) as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "runs" / "demo"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("name: demo\n")
+    write_rows(d / "samples.jsonl", [group_row(s) for s in (1, 2, 3)])
+    write_rows(d / "eval_samples.jsonl",
+               [eval_row(0, "p1", False), eval_row(0, "p2", False),
+                eval_row(3, "p1", True), eval_row(3, "p2", False),
+                eval_row(3, "p1", True, "sampled")])
+    write_rows(d / "metrics.jsonl", [{"step": s, "time_s": 1.0 * s, "success": 0.1 * s}
+                                     for s in (1, 2, 3)])
+    return d
+
+
+# ---- reading the files as they grow ----------------------------------------------------------
+
+def test_appended_lines_are_read_and_a_partial_last_line_waits_for_its_newline(run_dir):
+    view = RunView(run_dir)
+    assert [g["step"] for g in view.groups()] == [1, 2, 3]
+    before = view.fingerprint
+    line = json.dumps(group_row(4))
+    with (run_dir / "samples.jsonl").open("a") as f:
+        f.write(line[:40])  # the trainer is mid-write, or a crash cut it
+    view.refresh()
+    assert [g["step"] for g in view.groups()] == [1, 2, 3]
+    assert any("ends in an incomplete line" in n for n in view.notes())
+    with (run_dir / "samples.jsonl").open("a") as f:
+        f.write(line[40:] + "\n")
+    view.refresh()
+    assert [g["step"] for g in view.groups()] == [1, 2, 3, 4]
+    assert view.notes() == [] and view.fingerprint != before
+
+
+def test_a_rolled_file_and_a_cut_back_file_are_read_again_without_repeats(run_dir):
+    view = RunView(run_dir)
+    samples = run_dir / "samples.jsonl"
+    samples.replace(run_dir / "samples.1.jsonl")  # SampleRecord's roll
+    write_rows(samples, [group_row(4)])
+    view.refresh()
+    assert [g["step"] for g in view.groups()] == [1, 2, 3, 4]
+    write_rows(samples, [])  # a resume cut it back (a new file, shorter)
+    view.refresh()
+    assert [g["step"] for g in view.groups()] == [1, 2, 3]
+
+
+def test_lines_of_another_layout_are_skipped_and_named(run_dir):
+    old = group_row(5)
+    del old["samples"][0]["tokens"]  # as a line of a version without per-token records
+    write_rows(run_dir / "samples.jsonl", [old, group_row(6)], mode="a")
+    with (run_dir / "samples.jsonl").open("a") as f:
+        f.write("{not json\n")
+    view = RunView(run_dir)
+    assert [g["step"] for g in view.groups()] == [1, 2, 3, 6]
+    notes = view.notes()
+    assert any("line 4" in n and "samples.0.tokens" in n and "another version" in n
+               for n in notes), notes
+    assert any("line 6 is not JSON" in n for n in notes), notes
+
+
+def test_a_directory_that_is_no_run_is_named_with_the_runs_it_holds(run_dir):
+    with pytest.raises(ViewerError, match="no such directory"):
+        RunView(run_dir / "missing")
+    with pytest.raises(ViewerError, match=re.escape(str(run_dir))) as err:
+        RunView(run_dir.parent)  # output_dir, not output_dir/name
+    assert "not a pipelinerl run directory" in str(err.value)
+
+
+def test_a_run_without_samples_shows_its_panel_and_says_why(tmp_path):
+    d = tmp_path / "old"
+    d.mkdir()
+    write_rows(d / "metrics.jsonl", [{"step": 1, "time_s": 1.0}])
+    view = RunView(d)
+    assert view.groups() == [] and view.summary()["metrics_rows"] == 1
+    assert "no samples.jsonl" in view.notes()[0]
+
+
+def test_summary_offers_what_the_records_hold(run_dir):
+    write_rows(run_dir / "samples.jsonl", [group_row(4, dropped="stale")], mode="a")
+    s = RunView(run_dir).summary()
+    assert s["name"] == "demo" and s["groups"] == 4 and s["steps"] == [1, 2, 3, 4]
+    assert s["finish_reasons"] == ["length", "stop"] and s["dropped_reasons"] == ["stale"]
+    assert s["max_lag"] == 2 and s["eval_versions"] == [0, 3]
+    assert s["eval_modes"] == ["greedy", "sampled"] and s["metrics_rows"] == 3
+
+
+# ---- filters ---------------------------------------------------------------------------------
+
+def test_filters_pick_samples_and_show_their_groups_newest_first():
+    groups = [group_row(1), group_row(2, problem="7*6="), group_row(3, dropped="stale")]
+    page = select_groups(groups, Filters())
+    assert [g["step"] for g in page["groups"]] == [3, 2, 1] and page["matching_samples"] == 9
+    page = select_groups(groups, Filters.from_query({"reward_min": "0.9"}))
+    assert page["total"] == 3 and all(g["match"] == [False, False, True] for g in page["groups"])
+    page = select_groups(groups, Filters.from_query({"length_max": "3", "finish": "stop"}))
+    assert page["matching_samples"] == 3 and all(g["match"][0] for g in page["groups"])
+    assert select_groups(groups, Filters(finish=("length",), reward_max=0.4))["total"] == 0
+    assert [g["step"] for g in select_groups(groups, Filters(problem="7*"))["groups"]] == [2]
+    assert [g["step"] for g in select_groups(groups, Filters(kind="dropped"))["groups"]] == [3]
+    assert [g["step"] for g in select_groups(groups, Filters(kind="trained"))["groups"]] == [2, 1]
+    assert [g["step"] for g in select_groups(groups, Filters(step_min=2, step_max=2))["groups"]] \
+        == [2]
+    assert [g["step"] for g in select_groups(groups, Filters(version_max=0))["groups"]] == [1]
+    page = select_groups(groups, Filters(offset=1, limit=1))
+    assert page["total"] == 3 and [g["step"] for g in page["groups"]] == [2]
+
+
+def test_a_bad_filter_names_the_parameter():
+    with pytest.raises(QueryError, match="reward_min"):
+        Filters.from_query({"reward_min": "high"})
+    with pytest.raises(QueryError, match="colour"):
+        Filters.from_query({"colour": "lag"})
+    assert Filters.from_query({"finish": "stop,length", "step_min": ""}).query() == \
+        {"finish": "stop,length"}
+
+
+def test_held_out_pairs_two_versions_by_problem(run_dir):
+    rows = RunView(run_dir).eval_rows()
+    e = compare_eval(rows, EvalQuery())
+    assert (e["a"], e["b"], e["mode"]) == (0, 3, "greedy")
+    assert e["accuracy"] == {"a": 0.0, "b": 0.5}
+    assert [(p["problem_id"], p["a"]["attempts"][0]["success"], p["b"]["attempts"][0]["success"])
+            for p in e["problems"]] == [("p1", False, True), ("p2", False, False)]
+    e = compare_eval(rows, EvalQuery(a=3, b=3, mode="sampled"))
+    assert [p["problem_id"] for p in e["problems"]] == ["p1"]
+    with pytest.raises(QueryError, match="version 2 was not evaluated"):
+        compare_eval(rows, EvalQuery(a=2))
+    assert compare_eval([], EvalQuery())["problems"] == []
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+def _get(run_dir: Path, *paths: str) -> list[tuple[int, str, bytes]]:
+    async def go() -> list[tuple[int, str, bytes]]:
+        async with TestClient(TestServer(make_app(RunView(run_dir), poll_s=1.5))) as client:
+            out = []
+            for path in paths:
+                resp = await client.get(path)
+                out.append((resp.status, resp.content_type, await resp.read()))
+            return out
+    return asyncio.run(go())
+
+
+def test_the_server_answers_the_page_its_data_and_clear_errors(run_dir):
+    page, groups, bad, evals, panel = _get(
+        run_dir, "/", "/api/groups?reward_max=0&limit=2", "/api/groups?step_min=x",
+        "/api/eval?a=3&b=0", "/api/panel.png")
+    assert page[0] == 200 and b"const POLL_S = 1.5;" in page[2]
+    assert groups[0] == 200
+    body = json.loads(groups[2])
+    assert body["total"] == 3 and len(body["groups"]) == 2
+    assert bad[0] == 400 and "step_min" in json.loads(bad[2])["error"]
+    assert json.loads(evals[2])["accuracy"] == {"a": 0.5, "b": 0.0}
+    assert panel[0] == 200 and panel[1] == "image/png" and panel[2][:4] == b"\x89PNG"
+
+
+def test_an_export_holds_its_view_and_no_completion_can_break_out_of_it(run_dir):
+    write_rows(run_dir / "samples.jsonl",
+               [group_row(4, completion="</script><script>alert(1)</script>")], mode="a")
+    view = RunView(run_dir)
+    html = export_html(view, Filters(step_min=3), EvalQuery(), PanelCache())
+    assert html.count("</script>") == 2  # the data's and the page's own script elements
+    data = re.search(r'<script id="pipelinerl-data" type="application/json">(.*?)</script>',
+                     html, re.S).group(1)
+    embedded = json.loads(data)
+    assert [g["step"] for g in embedded["groups"]["groups"]] == [4, 3]
+    assert embedded["filters"] == {"step_min": "3"}
+    assert embedded["panel"].startswith("data:image/png;base64,")
+    assert "const POLL_S = 0;" in html and "http" not in data
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+def _view(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelinerl.cli", "view", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_view_names_a_directory_it_cannot_show_without_a_traceback(run_dir):
+    out = _view(str(run_dir.parent))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "is not a pipelinerl run directory" in out.stderr and str(run_dir) in out.stderr
+    out = _view(str(run_dir), "--export", str(run_dir / "v.html"), "--filter", "reward_min=x")
+    assert out.returncode == 2 and "reward_min" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_view_exports_a_view_and_serves_on_loopback_by_default(run_dir, tmp_path):
+    out = _view(str(run_dir), "--export", str(tmp_path / "v.html"), "--filter", "kind=trained",
+                "--filter", "a=3")
+    assert out.returncode == 0, out.stderr
+    assert '"a": 3' in (tmp_path / "v.html").read_text()
+    proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "view", str(run_dir),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        assert re.search(r"demo at http://127\.0\.0\.1:\d+/", line), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    with socket.socket() as held:  # a port taken: said, with the way out
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        out = _view(str(run_dir), "--port", str(held.getsockname()[1]))
+    assert out.returncode == 2 and "--port 0" in out.stderr and "Traceback" not in out.stderr
