@@ -1,7 +1,7 @@
 # One command installs and runs the tests; .ci/run calls exactly `make test`.
 PY ?= python3
 
-.PHONY: install test test-slow test-vllm demo redis sandbox
+.PHONY: install test test-slow test-vllm test-browser demo redis sandbox browser
 
 install:
 	$(PY) -m pip install -q -e ".[test,math,code,reasoning-gym,verifiers,logging]"
@@ -24,6 +24,16 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,test]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm -p no:cacheprovider
+
+# The viewer's browser tests (pipelinerl view): headless Chromium and its driver from Debian,
+# selenium from PyPI (the `browser` extra); their own step. Screenshots: .artifacts/browser/.
+test-browser: install browser
+	$(PY) -m pip install -q -e ".[browser]"
+	$(PY) -m pytest -q -m browser -p no:cacheprovider --durations=10
+
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 
 # The sandbox (pipelinerl.sandbox) runs programs under bubblewrap (Debian's package).
 sandbox:

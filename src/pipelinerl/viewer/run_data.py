@@ -152,7 +152,7 @@ class Tail:
 def _check_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise ViewerError(f"{run_dir}: no such directory")
-    known = (SAMPLES, ROLLED, EVAL_SAMPLES, EVAL_ROLLED, METRICS)
+    known = ("config.yaml", SAMPLES, ROLLED, EVAL_SAMPLES, EVAL_ROLLED, METRICS)
     if any((run_dir / name).exists() for name in known):
         return
     runs = sorted(p for p in run_dir.iterdir()
@@ -222,9 +222,9 @@ class RunView:
             notes = [n for tail in self._tails() for n in tail.notes()]
             has_samples = any(t.path.exists() for t in self._samples)
         if not has_samples:
-            notes.insert(0, f"no {SAMPLES}: the run was made by a pipelinerl before sample "
-                            "records, or with metrics.samples_per_step=0 (nothing to show but "
-                            "the held-out results and the health panel)")
+            notes.insert(0, f"no {SAMPLES} yet: the run has not trained a step, or it was "
+                            "made with metrics.samples_per_step=0 or by a pipelinerl before "
+                            "sample records (then only held-out results and the health panel)")
         return notes
 
     def summary(self) -> dict[str, Any]:
