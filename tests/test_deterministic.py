@@ -136,6 +136,14 @@ def test_a_redis_stream_replays_as_the_local_one(tmp_path, warm_cache, redis_ser
     assert len(groups) >= 4 * 4  # all of them, read back from the server
 
 
+def test_broadcast_weights_replay_as_shared_memory_ones(tmp_path, warm_cache):
+    # The trainer's publish of version v waits in the weight group until the actor takes it,
+    # which it does at the same logical point as from shared memory.
+    first, second = (_run(tmp_path, warm_cache, name, "sync.backend=broadcast")
+                     for name in ("first", "second"))
+    _assert_replayed(first, second)
+
+
 # ---- the trainer mirror, the score queue, the seeds -------------------------------------------
 
 
@@ -415,7 +423,6 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
     ("actor.num_actors=2", "actor.num_actors"),
     ("actor.max_restarts=3", "actor.max_restarts"),
     ("actor.endpoint_port=8000", "actor.endpoint_port"),
-    ("sync.backend=broadcast", "sync.backend"),
     ("engine.backend=vllm", "engine.backend"),
     ("trainer.num_procs=2", "trainer.num_procs"),
     ("trainer.max_time_s=60", "trainer.max_time_s"),

@@ -279,6 +279,10 @@ class Actor:
                 if self.mirror is not None:
                     self.maybe_snapshot()
                     self.publish_due_scores()
+                    if self.mirror.done():
+                        # No group is published past here: take what comes, as a broadcast
+                        # channel needs (the trainer's final publish waits for every actor).
+                        self.maybe_update_weights()
                 else:
                     self.maybe_update_weights()
                     for scored in self.scorer.poll() if self.scorer else ():

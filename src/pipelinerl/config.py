@@ -438,7 +438,6 @@ def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
          "trainer.max_restarts or --resume resumes the whole run"),
         ("actor.endpoint_port", cfg.actor.endpoint_port is not None,
          "HTTP clients' requests join the batch when they arrive"),
-        ("sync.backend", cfg.sync.backend != "shm", "only shm weights are replayed"),
         ("engine.backend", cfg.engine.backend != "torch", "only the torch engine is replayed"),
         ("trainer.num_procs", cfg.trainer.num_procs > 1, "one trainer rank only"),
         ("trainer.max_time_s", cfg.trainer.max_time_s > 0,
