@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -255,6 +256,9 @@ def test_view_exports_a_view_and_serves_on_loopback_by_default(run_dir, tmp_path
     try:
         line = proc.stdout.readline()
         assert re.search(r"demo at http://127\.0\.0\.1:\d+/", line), line
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
     finally:
         proc.terminate()
         proc.wait(timeout=30)

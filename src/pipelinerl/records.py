@@ -14,6 +14,11 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
+# The run directory's record files (layouts: docs/algorithm.md "Metrics", docs/viewing.md).
+METRICS = "metrics.jsonl"
+SAMPLES, ROLLED = "samples.jsonl", "samples.1.jsonl"
+EVAL_SAMPLES, EVAL_ROLLED = "eval_samples.jsonl", "eval_samples.1.jsonl"
+
 log = logging.getLogger(__name__)
 
 

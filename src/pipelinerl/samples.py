@@ -32,15 +32,11 @@ import torch
 
 from pipelinerl.attempts import read_resumes, valid_upto
 from pipelinerl.config import MetricsConfig
-from pipelinerl.records import read_rows
+from pipelinerl.records import EVAL_ROLLED, EVAL_SAMPLES, ROLLED, SAMPLES, read_rows
 from pipelinerl.rl.packing import PackedBatch
 from pipelinerl.tasks.base import Problem, Score
 from pipelinerl.types import ENV_VERSION, Group, Sample
 
-SAMPLES = "samples.jsonl"
-ROLLED = "samples.1.jsonl"
-EVAL_SAMPLES = "eval_samples.jsonl"
-EVAL_ROLLED = "eval_samples.1.jsonl"
 _DIGITS = 6  # decimals of log-probs, significant digits of weights: far below their noise
 
 

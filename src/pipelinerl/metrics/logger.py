@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.config import MetricsConfig
-from pipelinerl.records import open_resumed
+from pipelinerl.records import METRICS, open_resumed
 
-METRICS = "metrics.jsonl"
 # A glance at what the model writes each step, where TensorBoard / W&B are on; the whole
 # record is samples.jsonl (pipelinerl.samples).
 TABLE_ROWS = 8

@@ -13,8 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipelinerl.metrics.logger import METRICS
-from pipelinerl.samples import EVAL_ROLLED, EVAL_SAMPLES, ROLLED, SAMPLES
+from pipelinerl.records import EVAL_ROLLED, EVAL_SAMPLES, METRICS, ROLLED, SAMPLES
 
 _NOTES_PER_FILE = 3  # skipped lines named one by one; past that, counted
 
@@ -185,6 +184,7 @@ class RunView:
                        Tail(run_dir / EVAL_SAMPLES, _EvalLine)]
         self._metrics = Tail(run_dir / METRICS, _Metrics)
         self._lock = threading.Lock()
+        self._summary: dict[str, Any] | None = None  # of the fingerprint it holds
         self.refresh()
 
     def _tails(self) -> list[Tail]:
@@ -228,14 +228,21 @@ class RunView:
         return notes
 
     def summary(self) -> dict[str, Any]:
-        """What the page's controls offer: steps, versions, reasons, eval versions, notes."""
+        """What the page's controls offer: steps, versions, reasons, eval versions, notes;
+        made again only when the records changed (the page asks every few seconds)."""
+        if self._summary is None or self._summary["fingerprint"] != self.fingerprint:
+            self._summary = self._summarise()
+        return self._summary
+
+    def _summarise(self) -> dict[str, Any]:
+        fingerprint = self.fingerprint  # before reading: a later change makes it stale, not lost
         groups, evals = self.groups(), self.eval_rows()
         samples = [s for g in groups for s in g["samples"]]
         lags = [lag for s in samples for lag in s["tokens"]["lag"] if lag is not None]
         return {
             "name": self.name,
             "run_dir": os.fspath(self.run_dir.resolve()),
-            "fingerprint": self.fingerprint,
+            "fingerprint": fingerprint,
             "groups": len(groups),
             "steps": sorted({g["step"] for g in groups}),
             "finish_reasons": sorted({s["finish_reason"] for s in samples}),
