@@ -229,7 +229,11 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
 
 def run() -> None:
     """The process's entry (the `pipelinerl` script, `python -m pipelinerl.cli`)."""
-    code = main()
+    try:
+        code = main()
+    except BaseException:
+        gc.freeze()  # as below: a role that failed ends as soon as one that finished
+        raise
     if code in (130, 143):  # 128 + SIGINT, 128 + SIGTERM: interrupted, everything cleaned up
         # CPython ends a process by SIGINT at exit (code -2) once a KeyboardInterrupt crossed
         # an embedded PyRun call (pybind11's exec while torch imports), even one handled since:
