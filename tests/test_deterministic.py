@@ -26,6 +26,7 @@ from pipelinerl.batches import BatchSource
 from pipelinerl.config import Config, ConfigError, load_config
 from pipelinerl.launch import check_task, launch
 from pipelinerl.roles import open_rollout_reader
+from pipelinerl.samples import read_eval_samples
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import Codec
 from pipelinerl.checkpoint import CheckpointDue
@@ -96,8 +97,9 @@ def _assert_replayed(first: Config, second: Config) -> list[dict[str, Any]]:
     for name in ("samples.jsonl", "trained.jsonl"):
         assert (first.run_dir / name).read_text() == (second.run_dir / name).read_text()
     assert _metrics(first.run_dir) == _metrics(second.run_dir)
-    assert [r["step"] for r in _metrics(first.run_dir)] == [1, 2, 3, 4]
-    assert all(r["grad_norm"] > 0 for r in _metrics(first.run_dir))
+    steps = [r for r in _metrics(first.run_dir) if "eval/version" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["grad_norm"] > 0 for r in steps)
     digest = (first.run_dir / "weights.sha256").read_text().strip()
     assert digest == (second.run_dir / "weights.sha256").read_text().strip()
     return groups
@@ -142,6 +144,22 @@ def test_broadcast_weights_replay_as_shared_memory_ones(tmp_path, warm_cache):
     first, second = (_run(tmp_path, warm_cache, name, "sync.backend=broadcast")
                      for name in ("first", "second"))
     _assert_replayed(first, second)
+
+
+def test_the_evaluator_replays_the_versions_its_schedule_names(tmp_path, warm_cache):
+    # Greedy and sampled passes of 8 held-out problems at versions 0, 2 and 4 (the final):
+    # exactly those, whichever arrive while a pass runs, with the same results.
+    evaluated = ("eval.enabled=true", "eval.every_s=0", "eval.every_steps=2",
+                 "eval.num_problems=8", "eval.temperature=1.0")
+    first, second = (_run(tmp_path, warm_cache, name, *evaluated)
+                     for name in ("first", "second"))
+    _assert_replayed(first, second)
+    evals = [r for r in _metrics(first.run_dir) if "eval/version" in r]
+    assert [r["eval/version"] for r in evals] == [0, 2, 4]
+    assert all("eval/greedy" in r and "eval/sampled/pass@1" in r for r in evals)
+    rows = read_eval_samples(first.run_dir)
+    assert rows == read_eval_samples(second.run_dir)
+    assert sorted({r["version"] for r in rows}) == [0, 2, 4]
 
 
 # ---- the trainer mirror, the score queue, the seeds -------------------------------------------
@@ -426,7 +444,7 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
     ("engine.backend=vllm", "engine.backend"),
     ("trainer.num_procs=2", "trainer.num_procs"),
     ("trainer.max_time_s=60", "trainer.max_time_s"),
-    ("eval.enabled=true", "eval.enabled"),
+    ("eval.enabled=true", "eval.every_s"),
     ("deterministic.lag_groups=8", "deterministic.lag_groups"),
 ])
 def test_settings_not_yet_replayed_are_refused_naming_their_key(override, key):

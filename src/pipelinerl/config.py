@@ -442,7 +442,9 @@ def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
         ("trainer.num_procs", cfg.trainer.num_procs > 1, "one trainer rank only"),
         ("trainer.max_time_s", cfg.trainer.max_time_s > 0,
          "a wall-clock budget ends the run after a varying step; bound it by trainer.max_steps"),
-        ("eval.enabled", cfg.eval.enabled, "the evaluator takes versions when they arrive"),
+        ("eval.every_s", cfg.eval.enabled and cfg.eval.every_s > 0,
+         "a wall-clock evaluation schedule; set eval.every_s=0 and schedule it by "
+         "eval.every_steps"),
     ]
 
 

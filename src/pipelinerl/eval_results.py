@@ -20,28 +20,49 @@ class EvalResults:
     `time_s`), so held-out accuracy plots against time like every other curve."""
 
     def __init__(self, reader: Any, log_fn: Callable[[int, dict[str, Any]], None],
-                 attempt: int = 0) -> None:
+                 attempt: int = 0, hold: bool = False) -> None:
         self.reader = reader
         self.log_fn = log_fn
         self.attempt = attempt  # results of a crashed attempt's evaluator are not this one's
         self.version_time: dict[int, float] = {0: 0.0}
         self.final_logged = False
+        # Deterministic mode: results are logged after the last step, in the order they came
+        # (the evaluator's schedule): among the step rows they would land on the clock.
+        self.hold = hold
+        self.held: list[tuple[int, dict[str, Any]]] = []
+        self.staged: set[int] = set()  # versions the evaluator holds (deterministic mode)
 
     def made(self, version: int, time_s: float) -> None:
         self.version_time[version] = time_s
 
     def drain(self, timeout_s: float = 0.0) -> int:
-        """Log the results that came; how many records came."""
+        """Log the results that came (or hold them); how many records came."""
         records = self.reader.read(max_count=64, timeout_s=timeout_s)
         for record in records:
             if record.pop("attempt", 0) != self.attempt:
                 continue
             version = int(record.pop("version"))
+            if record.pop("staged", False):
+                self.staged.add(version)
+                continue
             self.final_logged |= bool(record.pop("final", False))
             if record:  # else only the end marker of a version already logged
-                self.log_fn(version, {"time_s": self.version_time.get(version), **record,
-                                      f"{EVAL_PREFIX}version": version})
+                row = {"time_s": self.version_time.get(version), **record,
+                       f"{EVAL_PREFIX}version": version}
+                if self.hold:
+                    self.held.append((version, row))
+                else:
+                    self.log_fn(version, row)
         return len(records)
+
+    def await_staged(self, version: int, timeout_s: float) -> None:
+        """Until the evaluator says it holds `version` (deterministic mode)."""
+        deadline = time.monotonic() + timeout_s
+        while version not in self.staged:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the evaluator did not take version {version} within "
+                                   f"sync.timeout_s={timeout_s:.0f} s; see logs/evaluator.log")
+            self.drain(timeout_s=0.05)
 
     def wait_final(self, timeout_s: float) -> bool:
         """Log results until the final one came; False if no result came for `timeout_s`
@@ -50,6 +71,9 @@ class EvalResults:
         while not self.final_logged and time.monotonic() < deadline:
             if self.drain(timeout_s=0.5):
                 deadline = time.monotonic() + timeout_s
+        for version, row in self.held:
+            self.log_fn(version, row)
+        self.held.clear()
         if not self.final_logged:
             log.warning("no result of the evaluator came for eval.final_timeout_s=%.0f s before "
                         "its final one; see logs/evaluator.log", timeout_s)

@@ -18,6 +18,7 @@ was made; `pipelinerl.eval_results`) and waits for the final one before it plots
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from pipelinerl.metrics.logger import METRICS
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import text_codec
 from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
+from pipelinerl.replay import eval_due
 from pipelinerl.samples import EvalPass, EvalSampleRecord, open_eval_record
 from pipelinerl.scoring import Scorer
 from pipelinerl.sync.base import WeightReceiver
@@ -381,16 +383,20 @@ def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
 
 
 class _Due:
-    """When the newest weights are due for evaluation (eval.every_steps / eval.every_s)."""
+    """When the newest weights are due for evaluation (eval.every_steps / eval.every_s);
+    `exact`: deterministic mode, exactly the versions `exact` names."""
 
-    def __init__(self, cfg: EvalConfig) -> None:
+    def __init__(self, cfg: EvalConfig, exact: Callable[[int], bool] | None = None) -> None:
         self.cfg = cfg
+        self.exact = exact
         self.last_version = -1
         self.last_time = time.monotonic()
 
     def __call__(self, version: int) -> bool:
         if version <= self.last_version:
             return False
+        if self.exact is not None:
+            return self.exact(version)
         if self.last_version < 0:
             return True
         steps = self.cfg.every_steps and version - self.last_version >= self.cfg.every_steps
@@ -408,18 +414,26 @@ class _Staging:
     pass too; with shared memory only a version that is wanted."""
 
     def __init__(self, receiver: WeightReceiver, tensors: Mapping[str, torch.Tensor],
-                 follow: bool) -> None:
+                 follow: bool, keep: Callable[[int], bool] | None = None,
+                 kept: Callable[[int], None] = lambda version: None) -> None:
         self.receiver = receiver
         self.tensors = tensors
         self.follow = follow
         self.version = 0
         self.received = False
+        # Deterministic mode: a copy of each version `keep` names, taken on receipt (a newer
+        # one may come during a pass), evaluated in order; `kept` says so to the trainer.
+        self.keep, self.kept = keep, kept
+        self.queue: deque[tuple[int, dict[str, torch.Tensor]]] = deque()
 
     def pump(self, want: Callable[[int], bool] = lambda version: False) -> None:
         newest = self.receiver.poll()
         if newest is not None and (self.follow or want(newest)):
             self.version = self.receiver.receive_into(self.tensors)
             self.received = True
+            if self.keep is not None and self.keep(self.version):
+                self.queue.append((self.version, {k: t.clone() for k, t in self.tensors.items()}))
+                self.kept(self.version)
 
 
 def run_evaluator(cfg: Config) -> None:
@@ -449,11 +463,13 @@ class _Evaluator:
         # group then forms again to take it (only the launcher starts an evaluator: no duplicate).
         receiver = open_weight_receiver(cfg, cfg.actor.num_actors, eval_device(cfg),
                                         restarted=True)
-        self.staging = _Staging(receiver, staging_model.state_dict(),
-                                follow=cfg.sync.backend == "broadcast")
         self.writer = open_eval_writer(cfg)
+        exact = functools.partial(eval_due, cfg) if cfg.deterministic.enabled else None
+        self.staging = _Staging(receiver, staging_model.state_dict(),
+                                follow=cfg.sync.backend == "broadcast", keep=exact,
+                                kept=self.say_staged)
         self.control = Control(open_control_reader(cfg), cfg.attempt)
-        self.due = _Due(cfg.eval)
+        self.due = _Due(cfg.eval, exact)
         self.snapshots = Snapshots(cfg.run_dir, cfg.attempt) if cfg.eval.deferred else None
 
     def start(self) -> None:
@@ -470,11 +486,17 @@ class _Evaluator:
         else:
             self.run_pass(final=False)
 
+    def say_staged(self, version: int) -> None:
+        """Deterministic mode: tell the trainer, waiting to publish on, that `version` is kept."""
+        self.writer.write({"version": version, "staged": True, "attempt": self.cfg.attempt})
+
     def follow(self) -> dict[str, Any]:
         """Evaluate the newest weights whenever due, until the trainer's stop record (returned)."""
         while self.control.stop is None:
             self.staging.pump(want=self.due)
-            if self.due(self.staging.version):
+            if self.staging.queue:
+                self.run_kept()
+            elif self.staging.keep is None and self.due(self.staging.version):
                 self.run_pass(final=False)
             self.control.poll()
             if self.control.stop is None:
@@ -485,6 +507,8 @@ class _Evaluator:
         """The final weights, once the trainer says they are published (and the kept ones)."""
         if stop.get("final_published"):
             _await_version(self.staging, int(stop["step"]), self.cfg.sync.timeout_s)
+            while self.staging.queue:
+                self.run_kept()
             if self.snapshots is not None:
                 self.run_deferred()
             self.run_pass(final=True)
@@ -502,7 +526,25 @@ class _Evaluator:
             return
         if version != self.engine.version:
             self.engine.load_weights(self.staging.tensors, version)
-        self.evaluate_loaded(final, self.staging.pump)
+        self.evaluate_loaded(final, self.between_steps)
+        self.due.done(version)
+
+    def between_steps(self) -> None:
+        """Between two decode steps of a pass: the weights the channel brings (deterministic
+        mode: a version to keep too, so the trainer waiting for it is not held a whole pass)."""
+        if self.staging.keep is not None:
+            self.staging.pump(want=self.due)
+        else:
+            self.staging.pump()
+
+    def run_kept(self) -> None:
+        """Deterministic mode: the oldest version kept, evaluated (or kept for later)."""
+        version, tensors = self.staging.queue.popleft()
+        if self.snapshots is not None:
+            self.snapshots.save(version, tensors)
+        else:
+            self.engine.load_weights(tensors, version)
+            self.evaluate_loaded(False, self.between_steps)
         self.due.done(version)
 
     def run_deferred(self) -> None:

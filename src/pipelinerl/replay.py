@@ -37,7 +37,7 @@ from pipelinerl.types import Group
 WALL_CLOCK_FIELDS = frozenset({
     "time_s", "trainer_tokens_per_s", "trainer_wait_frac", "trainer_idle_frac", "publish_s",
     "actor_tokens_per_s", "actor_idle_frac", "actor_slot_time_frac", "actor_decode_time_frac",
-    "actor_last_update_pause_s", "actor_mean_update_pause_s",
+    "actor_last_update_pause_s", "actor_mean_update_pause_s", "eval/duration_s",
 })
 
 
@@ -45,6 +45,14 @@ def request_seed(seed: int, group_id: str, attempt: int) -> int:
     """The sampler seed of attempt `attempt` of group `group_id` (63 bits of a hash)."""
     digest = hashlib.blake2b(f"{seed}/{group_id}/{attempt}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def eval_due(cfg: Config, version: int) -> bool:
+    """Whether the evaluator must evaluate `version` past the starting one: every
+    eval.every_steps-th (its final weights besides). The trainer waits, after publishing such
+    a version, until the evaluator holds it: a newer one could replace it in the channel."""
+    every = cfg.eval.every_steps
+    return version > 0 and every > 0 and version % every == 0
 
 
 def check_deterministic_task(cfg: Config, task: Task) -> None:

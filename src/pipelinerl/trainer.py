@@ -48,6 +48,7 @@ from pipelinerl.process_group import call_to_publish, init_distributed, rank0_sa
 from pipelinerl.records import open_resumed, read_rows
 from pipelinerl.replay import (
     SupersededFilter,
+    eval_due,
     is_superseded,
     paired_checkpoint,
     resume_point,
@@ -172,6 +173,8 @@ class TrainerRun:
             scored = metrics.pop("scored", None)
             if self.sharded or self.is_main:
                 trainer.maybe_publish()
+            if self.is_main:
+                self.await_evaluator()
             record = self.record_step(groups, metrics) if self.is_main else None
             if self.samples is not None and scored is not None:
                 rows = self.samples.write(trainer.step, trainer.step - 1, shard[:keep], scored)
@@ -180,6 +183,14 @@ class TrainerRun:
             self.checkpoint_if_due()  # after the step's records, which a resume from it keeps
             if record is not None:
                 self.report_step(record)
+
+    def await_evaluator(self) -> None:
+        """Deterministic mode: the evaluator takes each version its schedule names before a
+        newer one can replace it in the channel (shared memory holds only the newest)."""
+        step = self.trainer.step
+        if (self.evals is not None and self.cfg.deterministic.enabled
+                and self.trainer.published_version == step and eval_due(self.cfg, step)):
+            self.evals.await_staged(step, self.cfg.sync.timeout_s)
 
     def out_of_time(self) -> bool:
         """The wall-clock budget is rank 0's call, so every rank stops after the same step."""
@@ -343,7 +354,8 @@ def open_channels(cfg: Config, offsets: dict | None, metrics: MetricsLogger | No
     evals = None
     if cfg.eval.enabled:
         assert metrics is not None
-        evals = EvalResults(open_eval_reader(cfg), metrics.log, cfg.attempt)
+        evals = EvalResults(open_eval_reader(cfg), metrics.log, cfg.attempt,
+                            hold=cfg.deterministic.enabled)
     return source, sender, control, evals
 
 
