@@ -80,3 +80,10 @@ def test_overrides_may_come_before_and_after_the_overwrite_flag(monkeypatch) -> 
         main(["train", example, "--resume", "--overwrite"])
     with pytest.raises(SystemExit):  # argparse's usage error: an unknown option stays one
         main(["train", example, "--overwrite", "--bogus", "name=x"])
+
+
+def test_digits_only_text_overrides_keep_their_text() -> None:
+    cfg = load_config(None, ["run_id=0123", "name=2024", "trainer.lr=1e-4"])
+    assert cfg.run_id == "0123"
+    assert cfg.name == "2024"
+    assert cfg.trainer.lr == 1e-4

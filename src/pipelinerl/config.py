@@ -485,6 +485,18 @@ def _parse_value(raw: str) -> Any:
     return value
 
 
+def _is_text_field(dotted: str) -> bool:
+    """Whether `dotted` names a plain `str` field of Config (YAML would read digits as a number)."""
+    model: Any = Config
+    annotation: Any = None
+    for part in dotted.strip().split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        annotation = model = field.annotation
+    return annotation is str
+
+
 def _lookup(tree: Any, loc: tuple[Any, ...]) -> Any:
     for key in loc:
         if isinstance(tree, dict) and key in tree:
@@ -523,8 +535,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
         tree = loaded or {}
         source = str(path)
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
+    for (key, value), item in zip(parse_overrides(overrides or []), overrides or []):
+        # A text field keeps the text as typed: `run_id=0123` is not the number 123.
+        _set_dotted(tree, key, item.partition("=")[2] if _is_text_field(key) else value)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
