@@ -46,3 +46,20 @@ def test_the_audit_counts_the_groups_each_actor_dropped_by_reason(
     assert main(str(cfg.run_dir)) == 0
     out = capsys.readouterr().out
     assert "dropped by actors" in out and "verifier_error 1, zero_variance 4" in out
+
+
+def test_the_audit_names_an_unreachable_redis_and_exits_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import socket
+    with socket.socket() as s:  # a port on 127.0.0.1 that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(overrides=[f"output_dir={tmp_path}", "name=r", "run_id=x",
+                                 "stream.backend=redis", f"stream.redis_url=redis://127.0.0.1:{port}/0"])
+    cfg.run_dir.mkdir(parents=True)
+    save_config(cfg, cfg.run_dir / "config.yaml")
+    (cfg.run_dir / "trained.jsonl").write_text("")
+    assert main(str(cfg.run_dir)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pipelinerl audit: ") and f"127.0.0.1:{port}" in err
+    assert "\n" not in err and "Traceback" not in err

@@ -215,7 +215,11 @@ def main(run_dir: str) -> int:
         print(f"pipelinerl audit: {path} is not a run directory (no config.yaml or "
               "trained.jsonl)", file=sys.stderr)
         return 2
-    tallies, notes = audit(path)
+    try:
+        tallies, notes = audit(path)
+    except ConnectionError as e:  # StreamConnectionError: names the redis address
+        print(f"pipelinerl audit: cannot read the run's stream: {e}", file=sys.stderr)
+        return 2
     print(markdown_table(HEADER, [t.row(name) for name, t in tallies.items()]))
     for note in notes:
         print(f"- {note}")
