@@ -63,3 +63,12 @@ def test_the_audit_names_an_unreachable_redis_and_exits_2(
     err = capsys.readouterr().err.strip()
     assert err.startswith("pipelinerl audit: ") and f"127.0.0.1:{port}" in err
     assert "\n" not in err and "Traceback" not in err
+
+
+def test_a_trainer_started_by_hand_writes_the_config_the_audit_reads(tmp_path: Path) -> None:
+    from pipelinerl.trainer import open_records
+    cfg = load_config(overrides=[f"output_dir={tmp_path}", "name=r", "run_id=byhand"])
+    metrics, trained = open_records(cfg, None)
+    trained.close()
+    metrics.close()
+    assert load_config(cfg.run_dir / "config.yaml").run_id == "byhand"

@@ -31,7 +31,7 @@ from pipelinerl.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from pipelinerl.config import Config, TrainerConfig
+from pipelinerl.config import Config, TrainerConfig, save_config
 from pipelinerl.eval_results import EvalResults, step_times
 from pipelinerl.metrics.logger import METRICS, MetricsLogger
 from pipelinerl.models.hf import load_model, load_tokenizer, save_model
@@ -307,6 +307,11 @@ def open_records(cfg: Config, resume_step: int | None) -> tuple[MetricsLogger, I
     """Rank 0's metrics.jsonl and trained.jsonl, cut back to `resume_step` on a resume."""
     # Refused before anything loads: a finished run's id, or another launch's files.
     check_run_id_unused(cfg)
+    # A trainer started by hand (docs/multinode.md) has no launcher to write it, and
+    # `pipelinerl audit RUN_DIR` reads it.
+    if not (cfg.run_dir / "config.yaml").exists():
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, cfg.run_dir / "config.yaml")
     metrics = MetricsLogger(cfg.run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
                             resume_step=resume_step, attempt=cfg.attempt)
     return metrics, open_resumed(cfg.run_dir / "trained.jsonl", resume_step, cfg.attempt)
