@@ -162,6 +162,14 @@ def test_the_evaluator_replays_the_versions_its_schedule_names(tmp_path, warm_ca
     assert sorted({r["version"] for r in rows}) == [0, 2, 4]
 
 
+def test_two_ddp_ranks_replay(tmp_path, warm_cache):
+    # Rank 0 reads the stream and shares each step's groups in a fixed split; gloo's
+    # all-reduce sums the gradients in a fixed order.
+    first, second = (_run(tmp_path, warm_cache, name, "trainer.num_procs=2")
+                     for name in ("first", "second"))
+    _assert_replayed(first, second)
+
+
 # ---- the trainer mirror, the score queue, the seeds -------------------------------------------
 
 
@@ -442,7 +450,6 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
     ("actor.max_restarts=3", "actor.max_restarts"),
     ("actor.endpoint_port=8000", "actor.endpoint_port"),
     ("engine.backend=vllm", "engine.backend"),
-    ("trainer.num_procs=2", "trainer.num_procs"),
     ("trainer.max_time_s=60", "trainer.max_time_s"),
     ("eval.enabled=true", "eval.every_s"),
     ("deterministic.lag_groups=8", "deterministic.lag_groups"),

@@ -439,7 +439,6 @@ def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
         ("actor.endpoint_port", cfg.actor.endpoint_port is not None,
          "HTTP clients' requests join the batch when they arrive"),
         ("engine.backend", cfg.engine.backend != "torch", "only the torch engine is replayed"),
-        ("trainer.num_procs", cfg.trainer.num_procs > 1, "one trainer rank only"),
         ("trainer.max_time_s", cfg.trainer.max_time_s > 0,
          "a wall-clock budget ends the run after a varying step; bound it by trainer.max_steps"),
         ("eval.every_s", cfg.eval.enabled and cfg.eval.every_s > 0,
