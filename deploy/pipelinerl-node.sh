@@ -30,7 +30,7 @@ fail() { echo "pipelinerl-node.sh: $*" >&2; exit 2; }
 
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-${JOB_COMPLETION_INDEX:-}}}
 NNODES=${NNODES:-${SLURM_NNODES:-}}
-# A run id of digits only would be read as a number by the config, which refuses it.
+# The prefix says where the id came from (a digits-only id is accepted too).
 RUN_ID=${RUN_ID:-${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}}
 [[ -n $NODE_RANK ]] || fail "no node rank: set NODE_RANK (Slurm sets SLURM_NODEID, an indexed Job JOB_COMPLETION_INDEX)"
 [[ -n $NNODES ]] || fail "no node count: set NNODES (Slurm sets SLURM_NNODES)"
