@@ -7,19 +7,25 @@ rewrites only that block, so scripts (and hand-written sections) never clobber e
 from __future__ import annotations
 
 import datetime
+import gzip
+import json
 import os
 import platform
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pipelinerl.metrics.tables import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def results_file(out: Path | None) -> Path:
@@ -103,3 +109,42 @@ def this_command() -> str:
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A markdown table ending in a newline, to be joined with the section's other text."""
     return markdown_table(headers, rows) + "\n"
+
+
+def train(args: list[str], what: str) -> dict[str, Any]:
+    """`pipelinerl train ARGS` from the checkout's root, its output kept from the console;
+    exits naming `what` and the end of its stderr if it fails. Returns the run's record: when
+    it started, the load then, its wall-clock seconds."""
+    print("$ pipelinerl train", " ".join(args), flush=True)
+    record: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M"),
+                              "load_at_start": [round(x, 2) for x in load_average()]}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "train", *args], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    record["wall_s"] = round(time.monotonic() - t0)
+    return record
+
+
+def keep_run(run_dir: Path, records: Path, name: str, record: dict[str, Any] | None = None,
+             jsonl: tuple[str, ...] = ("metrics",), panel: bool = False) -> None:
+    """Copy a finished run's records into `records` as it ends: `<name>.config.yaml`, each
+    of its `jsonl` files gzipped (`<name>.metrics.jsonl.gz`, ...), its health panel
+    (`<name>.png`) with `panel`, and `record` as `<name>.run.json`."""
+    records.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run_dir / "config.yaml", records / f"{name}.config.yaml")
+    for stem in jsonl:
+        with (run_dir / f"{stem}.jsonl").open("rb") as src, \
+                gzip.open(records / f"{name}.{stem}.jsonl.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    if panel and (run_dir / "metrics.png").exists():
+        shutil.copy(run_dir / "metrics.png", records / f"{name}.png")
+    if record is not None:
+        (records / f"{name}.run.json").write_text(json.dumps(record) + "\n")
+
+
+def kept_rows(records: Path, name: str) -> list[dict[str, Any]]:
+    """The metrics.jsonl rows `keep_run` kept for `name`."""
+    with gzip.open(records / f"{name}.metrics.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]

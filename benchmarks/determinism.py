@@ -23,14 +23,10 @@ The machine should be quiet: the roles of a run take both cores.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from _results import environment, load_average, table, write_section  # noqa: E402
+from _results import environment, keep_run, kept_rows, table, train, write_section  # noqa: E402
 
 from pipelinerl.replay import WALL_CLOCK_FIELDS  # noqa: E402
 
@@ -80,27 +76,13 @@ def mode_args(mode: str, quick: bool) -> list[str]:
 def run(mode: str, repeat: str, steps: int, eval_every: int, out: Path, records: Path,
         quick: bool) -> None:
     name = stem(mode, repeat)
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(CONFIG), *mode_args(mode, quick),
-           f"name={name}", f"output_dir={out}", "trainer.max_time_s=0",
-           f"trainer.max_steps={steps}", "eval.enabled=true", "eval.every_s=0",
-           f"eval.every_steps={eval_every}", "eval.greedy=false", "metrics.progress=false",
-           "metrics.plot=false", *(QUICK if quick else []), "--overwrite"]
-    print("$", " ".join(cmd[2:]), flush=True)
-    record = {"mode": mode, "repeat": repeat, "started": time.strftime("%Y-%m-%d %H:%M"),
-              "load_at_start": [round(x, 2) for x in load_average()]}
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} ({repeat}) failed:\n{proc.stderr[-3000:]}")
-    record["wall_s"] = round(time.monotonic() - t0)
-    run_dir = out / name
-    record["weights_sha256"] = final_weights_hash(run_dir / "final")
-    records.mkdir(parents=True, exist_ok=True)
-    shutil.copy(run_dir / "config.yaml", records / f"{name}.config.yaml")
-    with (run_dir / "metrics.jsonl").open("rb") as src, \
-            gzip.open(records / f"{name}.metrics.jsonl.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    (records / f"{name}.run.json").write_text(json.dumps(record) + "\n")
+    record = train([str(CONFIG), *mode_args(mode, quick), f"name={name}", f"output_dir={out}",
+                    "trainer.max_time_s=0", f"trainer.max_steps={steps}", "eval.enabled=true",
+                    "eval.every_s=0", f"eval.every_steps={eval_every}", "eval.greedy=false",
+                    "metrics.progress=false", "metrics.plot=false", *(QUICK if quick else []),
+                    "--overwrite"], f"{mode} ({repeat})")
+    record["weights_sha256"] = final_weights_hash(out / name / "final")
+    keep_run(out / name, records, name, {"mode": mode, "repeat": repeat, **record})
 
 
 def final_weights_hash(final: Path) -> str:
@@ -113,8 +95,7 @@ def final_weights_hash(final: Path) -> str:
 
 
 def rows_of(records: Path, mode: str, repeat: str) -> list[dict[str, Any]]:
-    with gzip.open(records / f"{stem(mode, repeat)}.metrics.jsonl.gz", "rt") as f:
-        return list(map(json.loads, f))
+    return kept_rows(records, stem(mode, repeat))
 
 
 def without_wall_clock(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

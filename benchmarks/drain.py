@@ -17,13 +17,9 @@ The machine should be quiet: the roles of a run take both cores.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from _results import environment, load_average, table, write_section  # noqa: E402
+from _results import environment, keep_run, kept_rows, table, train, write_section  # noqa: E402
 
 from pipelinerl.types import LENGTH_LABELS  # noqa: E402
 
@@ -66,28 +62,13 @@ def stem(mode: str) -> str:
 def run(mode: str, minutes: float, out: Path, records: Path, quick: bool) -> None:
     name = stem(mode)
     extra = QUICK if quick else [f"trainer.max_time_s={minutes * 60:.0f}"]
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "train", str(CONFIG), *MODES[mode],
-           f"name={name}", f"output_dir={out}", *EVAL, "metrics.progress=false",
-           "metrics.plot=false", *extra, "--overwrite"]
-    print("$", " ".join(cmd[2:]), flush=True)
-    record = {"mode": mode, "started": time.strftime("%Y-%m-%d %H:%M"),
-              "load_at_start": [round(x, 2) for x in load_average()]}
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    record["wall_s"] = round(time.monotonic() - t0)
-    records.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / name / "config.yaml", records / f"{name}.config.yaml")
-    with (out / name / "metrics.jsonl").open("rb") as src, \
-            gzip.open(records / f"{name}.metrics.jsonl.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    (records / f"{name}.run.json").write_text(json.dumps(record) + "\n")
+    record = train([str(CONFIG), *MODES[mode], f"name={name}", f"output_dir={out}", *EVAL,
+                    "metrics.progress=false", "metrics.plot=false", *extra, "--overwrite"], mode)
+    keep_run(out / name, records, name, {"mode": mode, **record})
 
 
 def rows_of(records: Path, mode: str) -> list[dict[str, Any]]:
-    with gzip.open(records / f"{stem(mode)}.metrics.jsonl.gz", "rt") as f:
-        return list(map(json.loads, f))
+    return kept_rows(records, stem(mode))
 
 
 def steps_of(records: Path, mode: str) -> list[dict[str, Any]]:

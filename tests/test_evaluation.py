@@ -419,3 +419,25 @@ def test_the_eval_command_names_what_chose_its_held_out_set(
         assert "the task's own held-out set" in header and "heldout_frac" not in header
     else:
         assert "task.heldout_frac=0.5" in header
+
+
+def test_the_eval_command_refuses_a_task_its_verifier_workers_cannot_receive(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line, exit 2, before the model loads (there is none here): before, a TypeError
+    traceback after the model was loaded."""
+    from pipelinerl.evaluation import evaluate_saved_model
+
+    (tmp_path / "locked_task.py").write_text(
+        "import threading\n"
+        "from pipelinerl.tasks import ChainArithmeticTask\n"
+        "class Locked(ChainArithmeticTask):\n"
+        "    def __init__(self, **kw):\n"
+        "        super().__init__(**kw)\n"
+        "        self.lock = threading.Lock()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(overrides=["task.name=locked_task:Locked", "eval.num_problems=2"])
+    assert evaluate_saved_model(str(tmp_path / "no-model-needed"), cfg) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipelinerl eval: task ") and "cannot be sent to the verifier" in err
+    assert "Traceback" not in err

@@ -319,20 +319,23 @@ def test_a_stop_signal_stops_a_trainer_rank_waiting_for_rank_0s_groups(
 _READER = """
 import sys
 from pipelinerl.stop_signals import install_role_signal_handlers
-from pipelinerl.streams.redis_stream import RedisStreamReader
+from pipelinerl.streams.redis_stream import RedisStreamReader, RedisStreamWriter
 
 install_role_signal_handlers()  # as every role has them (cli._run_role)
 reader = RedisStreamReader(sys.argv[1], "t:r1", "rollouts")
+writer = RedisStreamWriter(sys.argv[1], "t:r1", "rollouts", "a")
 print("reading", flush=True)
 try:
+    if sys.argv[3] == "write":  # the test stalls the server before this lands
+        import time; time.sleep(1.0); writer.write({"i": 0})
     print(reader.read(10, timeout_s=float(sys.argv[2])), flush=True)
 except KeyboardInterrupt:
     sys.exit(130)
 """
 
 
-def _reader(url: str, timeout_s: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _READER, url, str(timeout_s)],
+def _reader(url: str, timeout_s: float, then: str = "read") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _READER, url, str(timeout_s), then],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline() == "reading\n", proc.communicate()[0]
@@ -340,16 +343,19 @@ def _reader(url: str, timeout_s: float) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("stalled", [False, True], ids=["empty stream", "server stopped"])
-def test_a_stop_signal_stops_a_redis_stream_read_at_once(
-        tmp_path: Path, stray: list[subprocess.Popen], stalled: bool) -> None:
-    """A read blocked on an empty stream, or on a server that stopped answering (SIGSTOP: a
-    hung host), with 60 s to wait: SIGTERM ends it at once."""
+@pytest.mark.parametrize(("stalled", "then"), [(False, "read"), (True, "read"), (True, "write")],
+                         ids=["empty stream", "server stopped", "write to a stopped server"])
+def test_a_stop_signal_stops_a_redis_stream_read_or_write_at_once(
+        tmp_path: Path, stray: list[subprocess.Popen], stalled: bool, then: str) -> None:
+    """A read blocked on an empty stream, or a read or write on a server that stopped
+    answering (SIGSTOP: a hung host), with 60 s to wait: SIGTERM ends it at once."""
     with start_redis_server(tmp_path, appendonly=False) as server:
-        proc = _reader(server.url, timeout_s=60)
+        proc = _reader(server.url, timeout_s=60, then=then)
         stray.append(proc)
         if stalled:
             server.proc.send_signal(signal.SIGSTOP)
+        if then == "write":
+            time.sleep(1.5)  # the write (1 s after "reading") waits for its reply
         try:
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import socket
 import subprocess
 import sys
@@ -365,8 +366,74 @@ def test_redis_writer_that_stopped_retrying_fails_at_once_when_its_server_is_gon
     started = time.monotonic()
     with pytest.raises(StreamConnectionError, match=server.url.split("//")[1]):
         writer.write({"type": "stop"})
-    assert time.monotonic() - started < 10  # reconnecting() would try for about 60 s
+    assert time.monotonic() - started < 10  # retrying would try for stream.timeout_s (60 s)
     writer.close()
+
+
+@pytest.fixture
+def stalled_server(tmp_path: Path):
+    """A redis-server that stops answering (SIGSTOP: a hung host) once the test says so; its
+    kernel still accepts connections, so every try waits a whole socket timeout."""
+    server = start_redis_server(tmp_path, appendonly=False)
+    try:
+        yield server
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+def _fails_within(call: Any, url: str, timeout_s: float) -> float:
+    started = time.monotonic()
+    with pytest.raises(StreamConnectionError,
+                       match=rf"{url.split('//')[1]}.*stream.timeout_s={timeout_s:g} s"):
+        call()
+    return time.monotonic() - started
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("operation", ["read", "write", "write_many", "ledger claim"])
+def test_an_operation_on_a_stalled_redis_server_fails_within_the_stream_timeout(
+        stalled_server: RedisServer, operation: str) -> None:
+    """Before, each of 30 tries waited a 30 s socket timeout: a trainer's read or an actor's
+    write outlived every timeout of the run by a quarter of an hour (issue 45)."""
+    from pipelinerl.admission import open_ledger
+
+    url, timeout_s = stalled_server.url, 4.0
+    loc = {"url": url, "run": "r", "stream": "rollouts", "timeout_s": timeout_s}
+    reader = open_reader("redis", **loc)
+    writer = open_writer("redis", writer_id="a", **loc)
+    ledger = open_ledger("redis", url=url, run="r", timeout_s=timeout_s)
+    calls = {"read": lambda: reader.read(10, timeout_s=60.0),
+             "write": lambda: writer.write({"i": 0}),
+             "write_many": lambda: writer.write_many({"i": i} for i in range(3)),
+             "ledger claim": lambda: ledger.claim(0, 1, 0, 8)}
+    stalled_server.proc.send_signal(signal.SIGSTOP)
+    took = _fails_within(calls[operation], url, timeout_s)
+    # At least one silent try (a third of the budget), never past the budget.
+    assert timeout_s / 3 - 0.2 < took <= timeout_s + 0.5, took
+    stalled_server.proc.send_signal(signal.SIGCONT)
+    for closing in (reader, writer, ledger):
+        closing.close()
+
+
+@pytest.mark.redis
+def test_a_redis_server_back_within_the_stream_timeout_is_ridden_out(tmp_path: Path) -> None:
+    """Stalled for 5 s of a 12 s budget (one try waits 4 s): the write's first try times out,
+    the server still runs the command it had buffered, the retry is not stored again
+    (_ADD_ONCE), and the reader gets each record once."""
+    import threading
+
+    with start_redis_server(tmp_path, appendonly=False) as server:
+        loc = {"url": server.url, "run": "r", "stream": "rollouts", "timeout_s": 12.0}
+        with open_writer("redis", writer_id="a", **loc) as w, open_reader("redis", **loc) as r:
+            w.write({"i": 0})
+            server.proc.send_signal(signal.SIGSTOP)
+            threading.Timer(5.0, server.proc.send_signal, [signal.SIGCONT]).start()
+            started = time.monotonic()
+            w.write({"i": 1})  # waits for the server, then lands
+            assert 4.5 < time.monotonic() - started < 12, time.monotonic() - started
+            assert [x["i"] for x in drain(r, 2)] == [0, 1]
+            assert r.read(10, timeout_s=0.05) == []
 
 
 @pytest.mark.redis

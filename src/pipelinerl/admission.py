@@ -128,28 +128,32 @@ class LocalLedger:
 
 
 class RedisLedger:
-    def __init__(self, url: str, run: str) -> None:
-        from pipelinerl.streams.redis_stream import connect, reconnecting, stream_key
+    def __init__(self, url: str, run: str, timeout_s: float) -> None:
+        from pipelinerl.streams.redis_stream import connect, naming_url, stream_key
 
         self.key = stream_key(run, "admission")
-        self._client = connect(url, reconnecting())  # every operation is idempotent
+        self._client = connect(url, timeout_s)  # every operation is idempotent: retried
         self._claim = self._client.register_script(_CLAIM)
+        self._naming = lambda: naming_url(url, timeout_s)
 
     def claim(self, actor_id: int, new_claim: int, returned: int, limit: int) -> bool:
-        return bool(self._claim(keys=[self.key], args=[actor_id, new_claim, returned, limit]))
+        with self._naming():
+            return bool(self._claim(keys=[self.key], args=[actor_id, new_claim, returned, limit]))
 
     def set(self, actor_id: int, claim: int) -> None:
-        self._client.hset(self.key, str(actor_id), claim)
+        with self._naming():
+            self._client.hset(self.key, str(actor_id), claim)
 
     def claims(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self._client.hgetall(self.key).items()}
+        with self._naming():
+            return {k.decode(): int(v) for k, v in self._client.hgetall(self.key).items()}
 
     def close(self) -> None:
         self._client.close()
 
 
 def open_ledger(backend: str, *, root: str | Path | None = None, url: str | None = None,
-                run: str | None = None) -> LocalLedger | RedisLedger:
+                run: str | None = None, timeout_s: float = 60.0) -> LocalLedger | RedisLedger:
     """The ledger beside the run's streams (callers pass every location, as to open_reader)."""
     if backend == "local":
         if root is None:
@@ -157,4 +161,4 @@ def open_ledger(backend: str, *, root: str | Path | None = None, url: str | None
         return LocalLedger(root)
     if not url or not run:
         raise ValueError("the redis admission ledger needs url and run")
-    return RedisLedger(url, run)
+    return RedisLedger(url, run, timeout_s)

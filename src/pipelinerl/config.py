@@ -250,6 +250,10 @@ class StreamConfig(_Section):
     # files of segment_mb; redis: XTRIM), so the run's disk stays flat; keep_all: never.
     keep_all: bool = False
     segment_mb: float = Field(default=16.0, gt=0)
+    # redis: how long one read or write may wait on a server that does not answer (down,
+    # restarting, stalled) before its role fails naming the server; a restart shorter than
+    # this is ridden out.
+    timeout_s: float = Field(default=60.0, gt=0)
 
 
 class SyncConfig(_Section):

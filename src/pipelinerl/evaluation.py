@@ -43,7 +43,7 @@ from pipelinerl.models.prompts import text_codec
 from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
 from pipelinerl.replay import eval_due
 from pipelinerl.samples import EvalPass, EvalSampleRecord, open_eval_record
-from pipelinerl.scoring import Scorer
+from pipelinerl.scoring import Scorer, check_sendable
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import heldout_problems, make_task
 from pipelinerl.tasks.base import Problem, Score, Task
@@ -324,6 +324,7 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     """The held-out problems (`tasks.split`), the tokenizer's view of them, the verifier and
     an engine with the model at `model_path`, as the config asks."""
     task: Task = make_task(cfg.task.name, cfg.task.params)
+    check_sendable(task)  # before the model loads: a task the verifier workers cannot receive
     problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
     own_heldout = bool(getattr(task, "has_test_split", False))
     codec, tokenizer = text_codec(cfg, model_path)
@@ -362,7 +363,7 @@ def evaluate_saved_model(model_dir: str, cfg: Config) -> int:
     torch.set_num_threads(cfg.eval.threads)
     try:
         setup, engine = build_eval_setup(cfg, model_dir)
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
         print(f"pipelinerl eval: {e}", file=sys.stderr)
         return 2
     try:

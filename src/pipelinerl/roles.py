@@ -27,13 +27,13 @@ MISSING_RUN_ID = (
 )
 
 
-def _locations(cfg: Config) -> dict[str, str]:
+def _locations(cfg: Config) -> dict[str, Any]:
     # Per run id, not per name: a re-run under the same name (same redis, same run directory)
     # must not read the previous run's rollouts or its stop record.
     if not cfg.run_id:
         raise ValueError(MISSING_RUN_ID)
     return {"root": str(cfg.run_dir / "streams" / cfg.run_id), "url": cfg.stream.redis_url,
-            "run": f"{cfg.name}:{cfg.run_id}"}
+            "run": f"{cfg.name}:{cfg.run_id}", "timeout_s": cfg.stream.timeout_s}
 
 
 def open_rollout_writer(cfg: Config, actor_id: int) -> Writer:

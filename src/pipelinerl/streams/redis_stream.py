@@ -20,7 +20,7 @@ import json
 import re
 import time
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -30,11 +30,13 @@ from redis.retry import Retry
 from pipelinerl.streams.base import WriterStateLost
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-_SOCKET_TIMEOUT_S = 30.0  # a dead server is reported within this, never a hang
+# How long one operation may wait on a server that does not answer (down, restarting, stalled)
+# before it fails naming the server: `stream.timeout_s` of the config, this by default.
+DEFAULT_TIMEOUT_S = 60.0
+_MAX_SOCKET_TIMEOUT_S = 30.0
 _MAX_BLOCK_S = 5.0  # XREAD BLOCK is cut into slices well under the socket timeout
 _PIPELINE_BYTES = 4 << 20  # write_many sends this much per round trip, bounding its buffer
 _PIPELINE_RECORDS = 1000
-_RECONNECT_TRIES = 30  # with reconnecting's backoff: about a minute
 
 
 class StreamConnectionError(ConnectionError):
@@ -58,26 +60,68 @@ def _redact(url: str) -> str:
 
 
 @contextmanager
-def _naming_url(url: str) -> Iterator[None]:
+def naming_url(url: str, timeout_s: float | None = None) -> Iterator[None]:
     try:
         yield
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-        raise StreamConnectionError(f"redis stream server at {_redact(url)}: {e}") from e
+        within = f" (tried for up to stream.timeout_s={timeout_s:g} s)" if timeout_s else ""
+        raise StreamConnectionError(f"redis stream server at {_redact(url)}: {e}{within}") from e
 
 
-def connect(url: str, retry: Retry) -> redis.Redis:
-    """A client that retries as `retry` says once it has reached the server: a server that is
-    not there at open is reported at once, naming the URL, not after a minute of retries."""
-    with _naming_url(url):
+def socket_timeout(timeout_s: float) -> float:
+    """One silent try's share of an operation's time: a third, so a stalled server is tried
+    more than once, and at most 30 s."""
+    return min(_MAX_SOCKET_TIMEOUT_S, timeout_s / 3)
+
+
+class WithinDeadline(Retry):
+    """Retries with backoff (0.1 s doubling to 2 s) while one more try, answered or not, still
+    ends within `timeout_s` of the operation's start. A count of tries cannot bound time: each
+    try at a stalled server (SIGSTOP, a hung host) waits a whole socket timeout, and 30 of them
+    kept a read waiting a quarter of an hour."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=2.0, base=0.1), -1)  # -1: the deadline decides
+        self.timeout_s = timeout_s
+        self._try_s = socket_timeout(timeout_s)
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any],
+                        is_retryable: Callable[[Exception], bool] | None = None,
+                        with_failure_count: bool = False) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable and not is_retryable(error):
+                    raise
+                failures += 1
+                fail(error, failures) if with_failure_count else fail(error)
+                pause = self._backoff.compute(failures)
+                if time.monotonic() + pause + self._try_s > deadline:
+                    raise
+                time.sleep(pause)
+
+
+def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> redis.Redis:
+    """A client whose every operation retries a server that went away or went silent for up to
+    `timeout_s`, then fails naming the URL. A server that is not there at open is reported at
+    once, not after the retries."""
+    if timeout_s <= 0:
+        raise ValueError(f"stream.timeout_s must be > 0, got {timeout_s}")
+    try_s = socket_timeout(timeout_s)
+    with naming_url(url):
         client = redis.Redis.from_url(
             url,
-            socket_timeout=_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=5.0,
+            socket_timeout=try_s,
+            socket_connect_timeout=min(5.0, try_s),
             retry=Retry(NoBackoff(), 0),
             protocol=2,  # fixes the reply shapes parsed below (RESP3 returns dicts)
         )
         client.ping()
-    client.set_retry(retry)
+    client.set_retry(WithinDeadline(timeout_s))
     return client
 
 
@@ -101,14 +145,11 @@ return 1
 """
 
 
-def reconnecting(retries: int = _RECONNECT_TRIES) -> Retry:
-    """Retries with backoff (0.1 s doubling to 2 s): about a minute for a server to come back."""
-    return Retry(ExponentialBackoff(cap=2.0, base=0.1), retries)
-
-
 class RedisStreamWriter:
-    def __init__(self, url: str, run: str, stream: str, writer_id: str) -> None:
+    def __init__(self, url: str, run: str, stream: str, writer_id: str,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url
+        self.timeout_s = timeout_s
         self.key = stream_key(run, stream)
         self._seq_key = f"{self.key}:seq"
         # Each writer's newest record, set in the same script as its XADD: trims never reach
@@ -117,9 +158,9 @@ class RedisStreamWriter:
         self._writer_id = writer_id.encode()
         # Retried writes are safe: each record carries the writer's next sequence number and
         # the script stores it once (_ADD_ONCE).
-        self._client = connect(url, reconnecting())
+        self._client = connect(url, timeout_s)
         self._add_once = self._client.register_script(_ADD_ONCE)
-        with _naming_url(url):
+        with naming_url(url, timeout_s):
             self._seq = int(self._client.hget(self._seq_key, self._writer_id) or 0)
 
     def _data(self, record: dict[str, Any]) -> bytes:
@@ -132,14 +173,14 @@ class RedisStreamWriter:
                        client=client)
 
     def write(self, record: dict[str, Any]) -> None:
-        with _naming_url(self.url):
+        with naming_url(self.url, self.timeout_s):
             self._add(self._data(record), self._client)
 
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
         """Pipelined: one round trip per few MB instead of one per record."""
         pipe = self._client.pipeline(transaction=False)
         pending_bytes = 0
-        with _naming_url(self.url):
+        with naming_url(self.url, self.timeout_s):
             for record in records:
                 data = self._data(record)
                 self._add(data, pipe)
@@ -158,7 +199,7 @@ class RedisStreamWriter:
     def last_record(self) -> dict[str, Any] | None:
         """The newest record this writer id wrote (an earlier process's too): how a restarted
         writer learns where its predecessor stopped."""
-        with _naming_url(self.url):
+        with naming_url(self.url, self.timeout_s):
             data = self._client.hget(self._last_key, self._writer_id)
         if data is None:
             if self._seq:
@@ -179,9 +220,13 @@ class RedisStreamWriter:
 
 class RedisStreamReader:
     def __init__(
-        self, url: str, run: str, stream: str, offsets: dict[str, str] | None = None
+        self, url: str, run: str, stream: str, offsets: dict[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.url = url
+        self.timeout_s = timeout_s
+        # XREAD BLOCK slices end well within one try's socket timeout.
+        self._block_s = min(_MAX_BLOCK_S, socket_timeout(timeout_s) / 2)
         self.stream = stream
         self.key = stream_key(run, stream)
         # "0-0": a fresh reader starts at the beginning, so records written before the trainer
@@ -189,20 +234,20 @@ class RedisStreamReader:
         self._last_id = (offsets or {}).get(stream, "0-0")
         parse_id(self._last_id)  # reject a malformed saved offset now
         # Reads are idempotent (the position is ours, not the server's): retrying is safe.
-        self._client = connect(url, reconnecting())
+        self._client = connect(url, timeout_s)
 
     def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
         """Up to `max_count` records; waits at most `timeout_s` for the first one."""
         if max_count <= 0:
             return []
         deadline = time.monotonic() + timeout_s
-        with _naming_url(self.url):
+        with naming_url(self.url, self.timeout_s):
             while True:
                 remaining = deadline - time.monotonic()
                 # BLOCK 0 would wait forever, so a spent timeout polls once without blocking.
                 block_ms = None
                 if remaining > 0:
-                    block_ms = max(1, int(min(remaining, _MAX_BLOCK_S) * 1000))
+                    block_ms = max(1, int(min(remaining, self._block_s) * 1000))
                 reply = self._client.xread(
                     {self.key: self._last_id}, count=max_count, block=block_ms
                 )
@@ -224,7 +269,7 @@ class RedisStreamReader:
         not, are kept. Returns how many entries were deleted.
         """
         ms, seq = parse_id(offsets[self.stream])
-        with _naming_url(self.url):
+        with naming_url(self.url, self.timeout_s):
             # MINID keeps ids >= its argument, so pass the id just after the saved one.
             return int(self._client.xtrim(self.key, minid=f"{ms}-{seq + 1}", approximate=False))
 
