@@ -106,9 +106,6 @@ def local_records(root: Path, offsets: dict[str, Any]) -> Iterator[Record]:
 def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterator[Record]:
     """The stream on the run's server; when that was the launcher's own (gone with the run),
     on a server started here over its append-only file in RUN_DIR/redis."""
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
     from pipelinerl.streams.redis_server import start_redis_server
     from pipelinerl.streams.redis_stream import (
         StreamConnectionError,
@@ -119,12 +116,12 @@ def redis_records(cfg: Config, offsets: dict[str, str], run_dir: Path) -> Iterat
 
     server = None
     try:
-        client = connect(cfg.stream.redis_url, Retry(NoBackoff(), 0))
+        client = connect(cfg.stream.redis_url, cfg.stream.timeout_s)
     except StreamConnectionError:
         if not (run_dir / "redis").is_dir():
             raise
         server = start_redis_server(dir=run_dir / "redis")
-        client = connect(server.url, Retry(NoBackoff(), 0))
+        client = connect(server.url, cfg.stream.timeout_s)
     limit = parse_id(offsets.get("rollouts", "0-0"))
     last = "-"
     try:
