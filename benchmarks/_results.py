@@ -133,7 +133,8 @@ def keep_run(run_dir: Path, records: Path, name: str, record: dict[str, Any] | N
     of its `jsonl` files gzipped (`<name>.metrics.jsonl.gz`, ...), its health panel
     (`<name>.png`) with `panel`, and `record` as `<name>.run.json`."""
     records.mkdir(parents=True, exist_ok=True)
-    shutil.copy(run_dir / "config.yaml", records / f"{name}.config.yaml")
+    config = (run_dir / "config.yaml").read_text()
+    (records / f"{name}.config.yaml").write_text(portable(config, run_dir.parent))
     for stem in jsonl:
         with (run_dir / f"{stem}.jsonl").open("rb") as src, \
                 gzip.open(records / f"{name}.{stem}.jsonl.gz", "wb") as dst:
@@ -142,6 +143,12 @@ def keep_run(run_dir: Path, records: Path, name: str, record: dict[str, Any] | N
         shutil.copy(run_dir / "metrics.png", records / f"{name}.png")
     if record is not None:
         (records / f"{name}.run.json").write_text(json.dumps(record) + "\n")
+
+
+def portable(config: str, output_dir: Path) -> str:
+    """A run's resolved config without this machine's paths: its output directory (a
+    temporary one) as `<output_dir>`, the home directory (the prepared-model cache) as `~`."""
+    return config.replace(str(output_dir), "<output_dir>").replace(str(Path.home()), "~")
 
 
 def kept_rows(records: Path, name: str) -> list[dict[str, Any]]:

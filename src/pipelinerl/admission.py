@@ -28,6 +28,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from pipelinerl.streams.redis_stream import connect, naming_url, stream_key
+
 _CLAIM = """
 local total = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(v) end
@@ -129,23 +131,21 @@ class LocalLedger:
 
 class RedisLedger:
     def __init__(self, url: str, run: str, timeout_s: float) -> None:
-        from pipelinerl.streams.redis_stream import connect, naming_url, stream_key
-
         self.key = stream_key(run, "admission")
         self._client = connect(url, timeout_s)  # every operation is idempotent: retried
         self._claim = self._client.register_script(_CLAIM)
-        self._naming = lambda: naming_url(url, timeout_s)
+        self.url, self.timeout_s = url, timeout_s
 
     def claim(self, actor_id: int, new_claim: int, returned: int, limit: int) -> bool:
-        with self._naming():
+        with naming_url(self.url, self.timeout_s):
             return bool(self._claim(keys=[self.key], args=[actor_id, new_claim, returned, limit]))
 
     def set(self, actor_id: int, claim: int) -> None:
-        with self._naming():
+        with naming_url(self.url, self.timeout_s):
             self._client.hset(self.key, str(actor_id), claim)
 
     def claims(self) -> dict[str, int]:
-        with self._naming():
+        with naming_url(self.url, self.timeout_s):
             return {k.decode(): int(v) for k, v in self._client.hgetall(self.key).items()}
 
     def close(self) -> None:

@@ -98,7 +98,10 @@ class WithinDeadline(Retry):
                 if is_retryable and not is_retryable(error):
                     raise
                 failures += 1
-                fail(error, failures) if with_failure_count else fail(error)
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
                 pause = self._backoff.compute(failures)
                 if time.monotonic() + pause + self._try_s > deadline:
                     raise
