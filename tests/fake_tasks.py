@@ -119,18 +119,18 @@ class FirstAttemptTask(AnswerTask):
 
 class FakeEnv(FakeTask):
     """An environment (pipelinerl.tasks.environment) over FakeTask's problems: a model turn
-    ending on `stop` gets `reply` back (with `turn_reward`); its respond hangs or raises on the
-    problems it is told to."""
+    ending on `stop` gets `reply` back (with `turn_reward`); its respond hangs, raises or takes
+    0.3 s on the problems it is told to."""
 
     max_turns = 3
 
     def __init__(self, stop: str, reply: str = "xy", turn_reward: float = 0.0,
                  env_hang: frozenset[str] = frozenset(), env_fail: frozenset[str] = frozenset(),
-                 **fake: object) -> None:
+                 env_slow: frozenset[str] = frozenset(), **fake: object) -> None:
         super().__init__(**fake)  # type: ignore[arg-type]
         self.turn_stops = (stop,)
         self.reply, self.turn_reward = reply, turn_reward
-        self.env_hang, self.env_fail = env_hang, env_fail
+        self.env_hang, self.env_fail, self.env_slow = env_hang, env_fail, env_slow
 
     def respond(self, problem: Problem, turns: list) -> object:
         from pipelinerl.tasks.environment import Reply
@@ -139,4 +139,6 @@ class FakeEnv(FakeTask):
             time.sleep(3600)
         if problem.problem_id in self.env_fail:
             raise ValueError(f"tool bug on {problem.problem_id}")
+        if problem.problem_id in self.env_slow:
+            time.sleep(0.3)
         return Reply(self.reply, reward=self.turn_reward)

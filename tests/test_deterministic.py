@@ -30,16 +30,19 @@ from pipelinerl.samples import read_eval_samples
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import Codec
 from pipelinerl.checkpoint import CheckpointDue
+from pipelinerl.eval_results import EvalResults
 from pipelinerl.replay import (
     WALL_CLOCK_FIELDS,
     ResumePoint,
-    ScoreQueue,
+    DueQueue,
     SupersededFilter,
     TrainerMirror,
     check_deterministic_task,
     choose_resume_point,
+    evaluated_versions,
     paired_checkpoint,
     read_snapshot,
+    record_evaluated,
     request_seed,
     snapshot_path,
     superseded_after,
@@ -50,14 +53,17 @@ from pipelinerl.tasks import make_train_task
 from pipelinerl.types import Group, Sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
+CALCULATOR = EXAMPLE.with_name("calculator.yaml")
 
 
 # ---- two runs, the same bits ------------------------------------------------------------------
 
 
-def _run(tmp_path: Path, cache: Path, name: str, *extra: str) -> Config:
-    """A short deterministic run (`extra`: overrides on top); the config its roles read."""
-    cfg = load_config(EXAMPLE, [
+def _run(tmp_path: Path, cache: Path, name: str, *extra: str, example: Path = EXAMPLE
+         ) -> Config:
+    """A short deterministic run of `example` (`extra`: overrides on top); the config its
+    roles read."""
+    cfg = load_config(example, [
         f"name={name}", f"output_dir={tmp_path / 'runs'}", f"warmstart.cache_dir={cache}",
         "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
         "actor.group_size=4", "actor.max_lag=2", "actor.max_restarts=0",
@@ -160,6 +166,10 @@ def test_the_evaluator_replays_the_versions_its_schedule_names(tmp_path, warm_ca
     rows = read_eval_samples(first.run_dir)
     assert rows == read_eval_samples(second.run_dir)
     assert sorted({r["version"] for r in rows}) == [0, 2, 4]
+    # Deferred to the run's end, the same versions give the same results: each attempt
+    # samples from its own generator, whichever passes came before.
+    deferred = _run(tmp_path, warm_cache, "deferred", *evaluated, "eval.deferred=true")
+    assert _metrics(deferred.run_dir) == _metrics(first.run_dir)
 
 
 def test_two_ddp_ranks_replay(tmp_path, warm_cache):
@@ -168,6 +178,19 @@ def test_two_ddp_ranks_replay(tmp_path, warm_cache):
     first, second = (_run(tmp_path, warm_cache, name, "trainer.num_procs=2")
                      for name in ("first", "second"))
     _assert_replayed(first, second)
+
+
+def test_a_multi_turn_environment_replays(tmp_path, warm_cache):
+    # The calculator's replies are applied one decode step after their turn, in turn order,
+    # whenever its worker answers: the batch changes at the same steps on every run.
+    tool = ("task.params={tool_demo_prob: 1.0, min_terms: 2, max_terms: 2, max_operand: 3}",
+            "warmstart.steps=150", "actor.env_workers=2")
+    first, second = (_run(tmp_path, warm_cache, name, *tool, example=CALCULATOR)
+                     for name in ("first", "second"))
+    groups = _assert_replayed(first, second)
+    masks = [s["model_mask"] for g in groups for s in g["samples"] if s["model_mask"]]
+    assert any(not all(mask) for mask in masks)  # the tool answered inside completions
+    assert _metrics(first.run_dir)[-1]["actor_env_calls"] > 0
 
 
 # ---- the trainer mirror, the score queue, the seeds -------------------------------------------
@@ -216,7 +239,7 @@ def test_versions_fall_due_after_the_groups_that_train_them_and_the_lag():
     assert done == [False] * 9 + [True]  # 5 steps of 2 groups
 
 
-def _all_due(queue: ScoreQueue, decode_steps: int, idle: bool) -> list[str]:
+def _all_due(queue: DueQueue, decode_steps: int, idle: bool) -> list[str]:
     keys = []
     while (key := queue.pop_due(decode_steps, idle)) is not None:
         keys.append(key)
@@ -224,7 +247,7 @@ def _all_due(queue: ScoreQueue, decode_steps: int, idle: bool) -> list[str]:
 
 
 def test_scores_come_in_send_order_at_their_step_or_all_when_idle():
-    queue = ScoreQueue(delay=3)
+    queue = DueQueue(delay=3)
     queue.expect("a", 0)
     queue.expect("b", 1)
     queue.expect("c", 5)
@@ -415,6 +438,57 @@ def test_resume_points_pair_a_checkpoint_with_the_actors_snapshot_at_its_step(tm
     assert paired_checkpoint(run_dir).name == "step_00000006"
 
 
+def test_a_resume_point_has_every_scheduled_evaluation_up_to_its_step_done(tmp_path):
+    # Evaluations at versions 0, 2, 4, ...; checkpoints and snapshots at 2, 4 and 6. The
+    # crashed evaluator had evaluated 0 and 2 and held 4 without evaluating it: 4 and 6 are
+    # no resume points, for version 4's weights would be gone.
+    run_dir = tmp_path / "run"
+    for step, seq in ((2, 9), (4, 18), (6, 27)):
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
+            json.dumps({"step": step}))
+        write_snapshot(run_dir, 0, step, {"published": seq}, keep=3)
+    every_2 = lambda version: version % 2 == 0  # noqa: E731
+    assert choose_resume_point(run_dir, 1, eval_due_at=every_2).step == 0  # nothing evaluated
+    for version in (0, 2):
+        record_evaluated(run_dir, version, attempt=0)
+    assert choose_resume_point(run_dir, 1, eval_due_at=every_2).step == 2
+    assert choose_resume_point(run_dir, 1, eval_due_at=lambda v: v % 7 == 0).step == 6
+    assert choose_resume_point(run_dir, 1).step == 6  # no evaluation: the newest
+    record_evaluated(run_dir, 4, attempt=1)
+    assert paired_checkpoint(run_dir, eval_due_at=every_2).name == "step_00000004"
+    assert evaluated_versions(run_dir) == {0, 2, 4}
+
+
+class _Records:
+    """An eval stream's records, read once."""
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
+        out, self.records = self.records[:max_count], self.records[max_count:]
+        return out
+
+
+def test_the_trainer_logs_one_result_per_version_of_any_attempt_by_version():
+    # Attempt 0 evaluated versions 0, 2 and 4 and died; attempt 1 resumed at step 4, its
+    # evaluator evaluating 4 again (the same result: the same weights), then 6 and the final 8.
+    result = lambda v, attempt, **extra: {"version": v, "attempt": attempt,  # noqa: E731
+                                          "eval/greedy": v / 10, **extra}
+    records = [result(0, 0), {"version": 2, "attempt": 0, "staged": True}, result(2, 0),
+               result(4, 0), {"version": 6, "attempt": 1, "staged": True}, result(6, 1),
+               result(4, 1, **{"eval/duration_s": 9.0}), result(8, 1, final=True)]
+    logged: list[tuple[int, dict[str, Any]]] = []
+    evals = EvalResults(_Records(records), lambda v, row: logged.append((v, row)), attempt=1,
+                        hold=True)
+    assert evals.wait_final(timeout_s=5.0)
+    assert [v for v, _ in logged] == [0, 2, 4, 6, 8]
+    assert [row["eval/greedy"] for _, row in logged] == [0.0, 0.2, 0.4, 0.6, 0.8]
+    assert "eval/duration_s" not in logged[2][1]  # the first result of version 4 stands
+    assert evals.staged == {6}  # an earlier attempt's evaluator held versions for its trainer
+
+
 def test_groups_a_later_attempt_published_again_are_left_out(tmp_path):
     # Attempt 1 resumed after 10 groups, attempt 2 after 14 (from attempt 1's snapshot),
     # attempt 3 after 10 again (attempt 2 died before its first snapshot).
@@ -476,16 +550,15 @@ def test_lag_groups_is_bounded_by_the_step_and_the_staleness_bound():
         cfg("deterministic.lag_groups=1", "mode=conventional")
 
 
-def test_an_environment_task_is_refused_at_launch_naming_the_task():
+def test_an_episodic_task_is_refused_naming_the_task_and_an_environment_is_not():
     cfg = load_config(None, ["deterministic.enabled=true", "actor.max_restarts=0",
                              "task.name=calculator"])
-    with pytest.raises(SystemExit, match="deterministic.enabled=true with task.name='calculator'"):
-        check_task(cfg)  # before any role starts
-    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
-    with pytest.raises(ValueError, match="task.name='calculator'"):
-        check_deterministic_task(cfg, task)  # what the actor checks too
-    check_deterministic_task(cfg, make_train_task("arithmetic", {}, 0.0))
-    check_task(load_config(None, ["task.name=calculator"]))  # free-running: accepted
+    check_task(cfg)  # multi-turn environments replay
+    check_deterministic_task(cfg, make_train_task(cfg.task.name, {}, 0.0))
+    episodic = FakeTask()
+    episodic.episodic = True  # an environment of another library (verifiers) runs its episodes
+    with pytest.raises(ValueError, match="deterministic.enabled=true with task.name='calculator'"):
+        check_deterministic_task(cfg, episodic)
 
 
 # ---- a crash changes nothing ------------------------------------------------------------------
@@ -495,7 +568,8 @@ CRASH_STEPS = 8
 
 def _resume_args(runs: Path, cache: Path, name: str, *extra: str) -> list[str]:
     return [f"name={name}", f"output_dir={runs}", f"warmstart.cache_dir={cache}",
-            "warmstart.steps=20", "eval.enabled=false", "engine.capacity=16",
+            "warmstart.steps=20", "engine.capacity=16",
+            "eval.enabled=true", "eval.every_s=0", "eval.every_steps=2", "eval.num_problems=8",
             "actor.group_size=4", "actor.max_lag=2", "actor.max_restarts=0",
             "trainer.batch_size=16", f"trainer.max_steps={CRASH_STEPS}", "trainer.max_time_s=0",
             "trainer.checkpoint_every_steps=2", "trainer.sample_timeout_s=120",
@@ -522,7 +596,9 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     """SIGKILL to a role's process group at a random step: the trainer's, then `--resume`; an
     actor's, which the launcher resumes the run for (trainer.max_restarts). The run ends with
     the uninterrupted run's final weights hash, its metrics.jsonl rows (every step once, equal
-    but for the wall-clock fields), samples.jsonl (every group) and trained.jsonl."""
+    but for the wall-clock fields: held-out results of versions 0, 2, ..., 8 among them, the
+    ones before the resume point evaluated by the killed attempt), samples.jsonl (every
+    group) and trained.jsonl."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     kill_at = rng.randint(1, CRASH_STEPS - 2)
@@ -548,10 +624,16 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     resumed_from = next(line for line in err.splitlines()
                         if line.startswith("deterministic resume (attempt 1) from "))
     print(why + resumed_from)
-    if kill_at >= 4:  # step 2's checkpoint and snapshot were written by then
+    evaluated = [json.loads(line) for line in
+                 (run_dir / "replay" / "evaluated.jsonl").read_text().splitlines()]
+    if kill_at >= 4 and all({"version": v, "attempt": 0} in evaluated for v in (0, 2)):
+        # Step 2's checkpoint and snapshot were written by then, and versions 0 and 2 evaluated.
         assert "checkpoint and the actor's snapshot" in resumed_from, why + resumed_from
 
-    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, CRASH_STEPS + 1)), why
+    steps = [r["step"] for r in _metrics(run_dir) if "eval/version" not in r]
+    assert steps == list(range(1, CRASH_STEPS + 1)), why
+    evals = [r["eval/version"] for r in _metrics(run_dir) if "eval/version" in r]
+    assert evals == list(range(0, CRASH_STEPS + 1, 2)), why
     assert _metrics(run_dir) == _metrics(uninterrupted), why
     for name in ("samples.jsonl", "trained.jsonl", "weights.sha256"):
         assert (run_dir / name).read_text() == (uninterrupted / name).read_text(), why + name

@@ -197,3 +197,43 @@ def test_rollout_ends_on_the_model_stop_on_done_on_max_turns_and_on_budget() -> 
         assert full.finish_reason == "length" and len(full.token_ids) == 10
     finally:
         rollouts.close()
+
+
+def _slow_first_rollouts(reply_delay: int | None) -> tuple[Any, ScriptedEngine]:
+    """Rollouts over an environment that answers problem fake:0 in 0.3 s and fake:1 at once,
+    two workers; turns "slow" (fake:0) and "fast" (fake:1) asked at decode step 5."""
+    from pipelinerl.envs.rollout import Rollouts
+    from pipelinerl.tasks.base import Problem
+
+    env = FakeEnv(stop="q", env_slow=frozenset({"fake:0"}))  # encode("q") = [16]
+    engine = ScriptedEngine()
+    rollouts = Rollouts(env, engine, encode, decode,
+                        SamplingParams(max_new_tokens=12, stop_token_ids=(0,)), 10.0, 2,
+                        reply_delay)
+    for rid, pid in (("slow", "fake:0"), ("fast", "fake:1")):
+        rollouts.request(rid, Problem(pid, "abcd", None), [1])
+        assert rollouts.on_turn(turn(rid, [5, 16]), decode_steps=5) is None
+    return rollouts, engine
+
+
+def test_deterministic_replies_are_applied_at_their_decode_step_in_turn_order() -> None:
+    # Free-running, the fast reply would be applied first, as it comes back.
+    rollouts, engine = _slow_first_rollouts(reply_delay=2)
+    try:
+        time.sleep(0.1)  # the fast reply is back, the slow one not yet
+        assert rollouts.poll(decode_steps=6) == [] and engine.extended == []
+        assert rollouts.waiting() == 2
+        t0 = time.monotonic()
+        assert rollouts.poll(decode_steps=7) == []  # due: waits for the slow one, then both
+        assert time.monotonic() - t0 > 0.05
+        assert [rid for rid, _, _ in engine.extended] == ["slow", "fast"]
+        assert rollouts.waiting() == 0 and rollouts.stats.counts()["calls"] == 2
+    finally:
+        rollouts.close()
+    # With nothing left to decode the decode clock stands: every reply asked is taken now.
+    rollouts, engine = _slow_first_rollouts(reply_delay=100)
+    try:
+        rollouts.poll(decode_steps=5, idle=True)
+        assert [rid for rid, _, _ in engine.extended] == ["slow", "fast"]
+    finally:
+        rollouts.close()

@@ -32,10 +32,11 @@ from pipelinerl.generation import sampling_from_config
 from pipelinerl.group_ids import format_group_id, next_restart, process_seed
 from pipelinerl.models.prompts import Codec, text_codec
 from pipelinerl.replay import (
-    ScoreQueue,
+    DueQueue,
     TrainerMirror,
     check_deterministic_task,
     read_snapshot,
+    reply_delay_steps,
     request_seed,
     resume_point,
     use_deterministic_torch,
@@ -227,13 +228,14 @@ class Actor:
         self.collector = (None if self.scorer is None else
                           GroupCollector(self.scorer, codec.decode))
         self.rollouts = (Rollouts(task, engine, codec.encode_text, codec.decode, self.sampling,
-                                  cfg.actor.env_timeout_s, cfg.actor.env_workers)
+                                  cfg.actor.env_timeout_s, cfg.actor.env_workers,
+                                  reply_delay_steps(cfg))
                          if is_environment(task) else None)
         self.stats = ActorStats()
         # Deterministic mode (pipelinerl.replay): weights, scores and the trainer's drops are
         # taken at points of logical clocks.
         self.mirror: TrainerMirror | None = None
-        self.score_queue: ScoreQueue | None = None
+        self.score_queue: DueQueue | None = None
         self._scored: dict[str, Scored] = {}  # scores in before their group is due
         # Snapshots (docs/determinism.md): after loading a version that is a multiple of this
         # (0: never), admit and publish nothing until the engine is empty, then write one.
@@ -243,7 +245,7 @@ class Actor:
             self.snapshot_every = cfg.trainer.checkpoint_every_steps
             check_deterministic_task(cfg, task)
             self.mirror = TrainerMirror.of(cfg)
-            self.score_queue = ScoreQueue(cfg.deterministic.score_delay_steps)
+            self.score_queue = DueQueue(cfg.deterministic.score_delay_steps)
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
         self.published = 0  # groups published, by earlier processes of this actor too
@@ -290,7 +292,9 @@ class Actor:
                 for finished in self.episodes.poll() if self.episodes else ():
                     self.on_episodes(finished)
                 if self.rollouts is not None:
-                    for transcript in self.rollouts.poll():
+                    # Nothing else to decode: deterministic mode takes every reply now.
+                    idle = self.rollouts.waiting() == self.in_flight
+                    for transcript in self.rollouts.poll(self.stats.decode_steps, idle):
                         self.on_rollout_end(transcript)
                 self.serve()
                 self.fill()
@@ -430,7 +434,8 @@ class Actor:
                 "rng": self.rng.getstate(), "task_position": getattr(self.task, "position", None),
                 "groups": dict(self._groups), "score_queue": self.score_queue.entries(),
                 "scored": dict(self._scored), "mirror": (self.mirror.usable, self.mirror.dropped),
-                "stats": self.stats.counts()}
+                "stats": self.stats.counts(),
+                "env": None if self.rollouts is None else self.rollouts.stats.counts()}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a snapshot `state`: the weights of its version from the trainer (which
@@ -446,6 +451,8 @@ class Actor:
         self.score_queue.restore(state["score_queue"])
         self.mirror.usable, self.mirror.dropped = state["mirror"]
         self.stats.restore_counts(state["stats"])
+        if self.rollouts is not None:
+            self.rollouts.stats.restore_counts(state["env"])
         self.streams.ledger.set(self.actor_id, self.claimed())
 
     def land_due_weights(self) -> None:
@@ -601,7 +608,7 @@ class Actor:
             self.in_flight -= 1
         elif self.rollouts is None:
             self.on_rollout_end(out)
-        elif (transcript := self.rollouts.on_turn(out)) is not None:
+        elif (transcript := self.rollouts.on_turn(out, self.stats.decode_steps)) is not None:
             self.on_rollout_end(transcript)
 
     def on_rollout_end(self, out: GenerationOutput | Transcript) -> None:

@@ -328,6 +328,10 @@ class DeterministicConfig(_Section):
     # A group's scores are taken this many decode steps after its last attempt finished (the
     # verifiers work meanwhile), at once when nothing is left to decode.
     score_delay_steps: int = Field(default=4, ge=0)
+    # A multi-turn environment's reply is applied to its rollout this many decode steps after
+    # the model's turn ended (the environment's workers answer meanwhile), at once when every
+    # sequence waits for one.
+    reply_delay_steps: int = Field(default=1, ge=0)
 
 
 class Config(_Section):

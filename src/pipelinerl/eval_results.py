@@ -26,10 +26,12 @@ class EvalResults:
         self.attempt = attempt  # results of a crashed attempt's evaluator are not this one's
         self.version_time: dict[int, float] = {0: 0.0}
         self.final_logged = False
-        # Deterministic mode: results are logged after the last step, in the order they came
-        # (the evaluator's schedule): among the step rows they would land on the clock.
+        # Deterministic mode: results are logged after the last step, by version (the
+        # evaluator's schedule): among the step rows they would land on the clock. A version's
+        # result is the same in every attempt, so an earlier attempt's stands (a resumed run
+        # does not make the versions before its checkpoint again).
         self.hold = hold
-        self.held: list[tuple[int, dict[str, Any]]] = []
+        self.held: dict[int, dict[str, Any]] = {}
         self.staged: set[int] = set()  # versions the evaluator holds (deterministic mode)
 
     def made(self, version: int, time_s: float) -> None:
@@ -39,21 +41,25 @@ class EvalResults:
         """Log the results that came (or hold them); how many records came."""
         records = self.reader.read(max_count=64, timeout_s=timeout_s)
         for record in records:
-            if record.pop("attempt", 0) != self.attempt:
-                continue
+            own = record.pop("attempt", 0) == self.attempt
             version = int(record.pop("version"))
             if record.pop("staged", False):
-                self.staged.add(version)
+                if own:
+                    self.staged.add(version)
                 continue
-            self.final_logged |= bool(record.pop("final", False))
-            if record:  # else only the end marker of a version already logged
-                row = {"time_s": self.version_time.get(version), **record,
-                       f"{EVAL_PREFIX}version": version}
-                if self.hold:
-                    self.held.append((version, row))
-                else:
-                    self.log_fn(version, row)
+            final = bool(record.pop("final", False))
+            self.final_logged |= own and final
+            if not record:  # only the end marker of a version already logged
+                continue
+            if self.hold:  # any attempt's
+                self.held.setdefault(version, record)
+            elif own:
+                self.log_fn(version, self._row(version, record))
         return len(records)
+
+    def _row(self, version: int, record: dict[str, Any]) -> dict[str, Any]:
+        return {"time_s": self.version_time.get(version), **record,
+                f"{EVAL_PREFIX}version": version}
 
     def await_staged(self, version: int, timeout_s: float) -> None:
         """Until the evaluator says it holds `version` (deterministic mode)."""
@@ -71,8 +77,8 @@ class EvalResults:
         while not self.final_logged and time.monotonic() < deadline:
             if self.drain(timeout_s=0.5):
                 deadline = time.monotonic() + timeout_s
-        for version, row in self.held:
-            self.log_fn(version, row)
+        for version in sorted(self.held):
+            self.log_fn(version, self._row(version, self.held[version]))
         self.held.clear()
         if not self.final_logged:
             log.warning("no result of the evaluator came for eval.final_timeout_s=%.0f s before "

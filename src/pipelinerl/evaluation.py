@@ -41,7 +41,8 @@ from pipelinerl.metrics.logger import METRICS
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import text_codec
 from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
-from pipelinerl.replay import eval_due
+from pipelinerl.replay import (eval_due, evaluated_versions, record_evaluated,
+                               reply_delay_steps, request_seed, resume_point)
 from pipelinerl.samples import EvalPass, EvalSampleRecord, open_eval_record
 from pipelinerl.scoring import Scorer, check_sendable
 from pipelinerl.sync.base import WeightReceiver
@@ -121,17 +122,27 @@ def evaluate(
     between_steps: Callable[[], None] = lambda: None,
     rollouts: Rollouts | None = None,
     record: EvalPass | None = None,
+    seed: int | None = None,
 ) -> dict[str, float]:
     """One pass over `problems` with the weights the engine holds, which must not change
     during the pass (`between_steps` runs between two decode steps and must not load any).
     A completion whose verification fails (raises, hangs, crashes) counts as unsolved and is
     counted in `<mode>/verifier_failures`. With `rollouts` (an environment's, on this engine)
     the attempts are multi-turn; a failed environment call counts like a failed verifier.
-    `record` collects the attempts and their scores (eval_samples.jsonl)."""
+    `record` collects the attempts and their scores (eval_samples.jsonl). `seed`
+    (deterministic mode): attempt a of problem i in mode m samples from a generator seeded by
+    (seed, m, i, a), the same at every version (common random numbers), else from the
+    engine's."""
     version = engine.version
     t0 = time.monotonic()
+
+    def sampling_of(m: int, i: int, a: int) -> SamplingParams:
+        if seed is None:
+            return modes[m].params
+        return replace(modes[m].params, seed=request_seed(seed, f"eval|{m}|{i}", a))
+
     queue = deque(
-        (request_id(f"{m}|{i}", a), i, mode.params)
+        (request_id(f"{m}|{i}", a), i, sampling_of(m, i, a))
         for m, mode in enumerate(modes)
         for i in range(len(prompt_ids))
         for a in range(mode.attempts)
@@ -139,23 +150,27 @@ def evaluate(
     tallies = [_Tally(mode.attempts) for mode in modes]
     collector = GroupCollector(scorer, decode)
     unscored = 0  # groups submitted to the scorer and not yet back
+    steps = 0  # the decode clock of an environment's replies in deterministic mode
     while queue or engine.num_active():
         while queue and engine.num_active() < engine.capacity:
             rid, i, params = queue.popleft()
             engine.add_request(
                 rollouts.request(rid, problems[i], prompt_ids[i], params) if rollouts
                 else GenerationRequest(rid, list(prompt_ids[i]), params))
-        if rollouts is not None and rollouts.waiting() == rollouts.running() > 0:
+        idle = rollouts is not None and rollouts.waiting() == rollouts.running() > 0
+        if idle:
             rollouts.pool.wait(POLL_S)  # every sequence waits for its environment
         finished: list[GenerationOutput | Transcript] = []
-        for out in engine.step():
+        outs = engine.step()
+        steps += 1
+        for out in outs:
             _check_version(out, version)
             if rollouts is None:
                 finished.append(out)
-            elif (transcript := rollouts.on_turn(out)) is not None:
+            elif (transcript := rollouts.on_turn(out, steps)) is not None:
                 finished.append(transcript)
         if rollouts is not None:
-            finished += rollouts.poll()
+            finished += rollouts.poll(steps, idle)
         for out in finished:
             m, i = (int(x) for x in group_key(out.request_id).split("|"))
             group = collector.add(out, problems[i], modes[m].attempts)
@@ -287,6 +302,9 @@ class EvalSetup:
     own_heldout: bool = False
     # The evaluator role's eval_samples.jsonl (None: `pipelinerl eval`, or recording off).
     samples: EvalSampleRecord | None = None
+    # Deterministic mode: the run's seed, each attempt sampling from a generator of its own
+    # (`evaluate`), so a version's result does not depend on the passes before it.
+    seed: int | None = None
 
     def run(self, engine: Engine, between_steps: Callable[[], None] = lambda: None
             ) -> dict[str, float]:
@@ -297,7 +315,7 @@ class EvalSetup:
         else:
             assert self.scorer is not None
             metrics = evaluate(engine, self.problems, self.prompt_ids, self.modes, self.scorer,
-                               self.decode, between_steps, self.rollouts, record)
+                               self.decode, between_steps, self.rollouts, record, self.seed)
         if self.samples is not None and record is not None:
             self.samples.write(engine.version, record.rows(engine.version, self.samples.attempt,
                                                            [m.name for m in self.modes]))
@@ -351,9 +369,11 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     rollouts = None
     if is_environment(task):
         rollouts = Rollouts(task, engine, codec.encode_text, codec.decode, base,
-                            cfg.actor.env_timeout_s, cfg.actor.env_workers)
+                            cfg.actor.env_timeout_s, cfg.actor.env_workers,
+                            reply_delay_steps(cfg))
     setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer, codec.decode,
-                      rollouts, own_heldout=own_heldout)
+                      rollouts, own_heldout=own_heldout,
+                      seed=cfg.seed if cfg.deterministic.enabled else None)
     return setup, engine
 
 
@@ -475,6 +495,9 @@ class _Evaluator:
 
     def start(self) -> None:
         cfg = self.cfg
+        if self.due.exact is not None:
+            self.start_exact()
+            return
         if cfg.attempt == 0 and not logged_versions(cfg.run_dir / METRICS):
             self.run_pass(final=False)  # version 0: the starting policy, before any update
             return
@@ -486,6 +509,23 @@ class _Evaluator:
             self.due.done(self.staging.version)
         else:
             self.run_pass(final=False)
+
+    def start_exact(self) -> None:
+        """Deterministic mode: version 0 (the engine holds the starting model), unless an
+        earlier attempt evaluated it. A resumed attempt's trainer starts from its resume point,
+        step S, whose scheduled versions up to S were all evaluated (the launcher chose it so):
+        it takes version S and goes on from there."""
+        cfg = self.cfg
+        step = resume_point(cfg.run_dir, cfg.attempt).step if cfg.attempt else 0
+        if step == 0:
+            if 0 in evaluated_versions(cfg.run_dir):
+                self.due.done(0)
+            else:
+                self.run_pass(final=False)
+            return
+        _await_version(self.staging, step, cfg.sync.timeout_s)
+        self.staging.queue = deque(k for k in self.staging.queue if k[0] != step)
+        self.due.done(step)
 
     def say_staged(self, version: int) -> None:
         """Deterministic mode: tell the trainer, waiting to publish on, that `version` is kept."""
@@ -523,12 +563,19 @@ class _Evaluator:
             return
         if self.snapshots is not None and not final:
             self.snapshots.save(version, self.staging.tensors)
-            self.due.done(version)
+            self.done(version)
             return
         if version != self.engine.version:
             self.engine.load_weights(self.staging.tensors, version)
         self.evaluate_loaded(final, self.between_steps)
+        self.done(version)
+
+    def done(self, version: int) -> None:
+        """`version` evaluated, or its weights kept for a deferred pass (deterministic mode:
+        noted for a resume's choice of checkpoint)."""
         self.due.done(version)
+        if self.due.exact is not None:
+            record_evaluated(self.cfg.run_dir, version, self.cfg.attempt)
 
     def between_steps(self) -> None:
         """Between two decode steps of a pass: the weights the channel brings (deterministic
@@ -546,7 +593,7 @@ class _Evaluator:
         else:
             self.engine.load_weights(tensors, version)
             self.evaluate_loaded(False, self.between_steps)
-        self.due.done(version)
+        self.done(version)
 
     def run_deferred(self) -> None:
         """The kept versions, oldest first, on the cores the run's roles had."""

@@ -9,6 +9,7 @@ which is how a multi-machine run starts them (docs/multinode.md).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import secrets
 import shutil
@@ -137,9 +138,10 @@ def prepare_resume(cfg: Config) -> Config:
 def choose_deterministic_resume(cfg: Config) -> None:
     """Pair the trainer's newest checkpoint that has an actor snapshot with that snapshot and
     record it for both roles, before either starts (docs/determinism.md)."""
-    from pipelinerl.replay import choose_resume_point, record_resume_point  # torch
+    from pipelinerl.replay import choose_resume_point, eval_due, record_resume_point  # torch
 
-    point = choose_resume_point(cfg.run_dir, cfg.attempt)
+    due = functools.partial(eval_due, cfg) if cfg.eval.enabled else None
+    point = choose_resume_point(cfg.run_dir, cfg.attempt, eval_due_at=due)
     record_resume_point(cfg.run_dir, point)
     where = (f"step {point.step}'s checkpoint and the actor's snapshot after {point.seq} groups"
              if point.snapshot else "the run's start (no checkpoint has an actor snapshot)")
@@ -316,12 +318,14 @@ def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
 
 def _resumes_the_run(cfg: Config, failed: str | None) -> bool:
     """Whether the death of role `failed` resumes the whole run (under trainer.max_restarts):
-    the trainer's; in deterministic mode an actor's too, which is never restarted alone (its
-    groups after its snapshot are published again, and the trainer may have trained them)."""
+    the trainer's; in deterministic mode an actor's or the evaluator's too, which are never
+    restarted alone (an actor's groups after its snapshot are published again, and the
+    trainer may have trained them; the versions the evaluator held are made again)."""
     if failed is None:
         return False
     return failed.startswith("trainer") or (cfg.deterministic.enabled
-                                            and failed.startswith("actor"))
+                                            and (failed.startswith("actor")
+                                                 or failed == "evaluator"))
 
 
 def check_task(cfg: Config) -> None:

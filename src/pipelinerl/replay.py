@@ -7,8 +7,8 @@ happens at a point its own counters decide, so two runs of one config and seed d
   trains, which it drops as stale, at which step) with the trainer's own rule, so the actor
   knows without asking which version the trainer can have made and how many places it gave
   back;
-- `ScoreQueue` takes groups' scores in the order their groups finished, each at a set number
-  of decode steps after;
+- `DueQueue` takes groups' scores in the order their groups finished, and an environment's
+  replies in the order their turns ended, each at a set number of decode steps after;
 - per-request samplers are seeded by (run seed, group, attempt) (`request_seed`).
 """
 
@@ -20,7 +20,7 @@ import pickle
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,14 +30,14 @@ from pipelinerl.config import Config
 from pipelinerl.records import append_row, read_rows
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.tasks.base import Task
-from pipelinerl.tasks.environment import is_environment
 from pipelinerl.types import Group
 
 # metrics.jsonl fields measured by the clock: they differ between two replays of a run.
 WALL_CLOCK_FIELDS = frozenset({
     "time_s", "trainer_tokens_per_s", "trainer_wait_frac", "trainer_idle_frac", "publish_s",
     "actor_tokens_per_s", "actor_idle_frac", "actor_slot_time_frac", "actor_decode_time_frac",
-    "actor_last_update_pause_s", "actor_mean_update_pause_s", "eval/duration_s",
+    "actor_last_update_pause_s", "actor_mean_update_pause_s", "actor_env_latency_mean_s",
+    "actor_env_wait_frac", "eval/duration_s",
 })
 
 
@@ -45,6 +45,12 @@ def request_seed(seed: int, group_id: str, attempt: int) -> int:
     """The sampler seed of attempt `attempt` of group `group_id` (63 bits of a hash)."""
     digest = hashlib.blake2b(f"{seed}/{group_id}/{attempt}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def reply_delay_steps(cfg: Config) -> int | None:
+    """How many decode steps after a turn an environment's reply is applied (None: as it
+    comes back, free-running)."""
+    return cfg.deterministic.reply_delay_steps if cfg.deterministic.enabled else None
 
 
 def eval_due(cfg: Config, version: int) -> bool:
@@ -56,11 +62,12 @@ def eval_due(cfg: Config, version: int) -> bool:
 
 
 def check_deterministic_task(cfg: Config, task: Task) -> None:
-    """Refuse, naming the key, a task whose turns or episodes run on their own timing."""
-    if is_environment(task) or getattr(task, "episodic", False):
-        raise ValueError(f"deterministic.enabled=true with task.name={cfg.task.name!r}: an "
-                         "environment's replies and episodes come back when their workers "
-                         "finish (not yet deterministic, docs/determinism.md)")
+    """Refuse, naming the key, a task whose episodes run on their own timing (an environment of
+    another library, which drives its own model calls)."""
+    if getattr(task, "episodic", False):
+        raise ValueError(f"deterministic.enabled=true with task.name={cfg.task.name!r}: its "
+                         "episodes call the model when their own code decides (not yet "
+                         "deterministic, docs/determinism.md)")
 
 
 def use_deterministic_torch() -> None:
@@ -122,13 +129,13 @@ class TrainerMirror:
         return steps - steps % self.publish_every
 
 
-class ScoreQueue:
-    """Groups waiting for their scores, in the order they were sent to the verifiers, each
-    due `delay` decode steps after."""
+class DueQueue:
+    """Keys waiting for a worker's answer (groups for their scores, rollouts for an
+    environment's reply), in the order they were sent, each due `delay` decode steps after."""
 
     def __init__(self, delay: int) -> None:
         self.delay = delay
-        self._waiting: deque[tuple[str, int]] = deque()  # (group key, decode step due)
+        self._waiting: deque[tuple[str, int]] = deque()  # (key, decode step due)
 
     def expect(self, key: str, decode_steps: int) -> None:
         self._waiting.append((key, decode_steps + self.delay))
@@ -161,6 +168,7 @@ class ScoreQueue:
 
 REPLAY_DIR = "replay"
 RESUMES_FILE = "resumes.jsonl"
+EVALUATED_FILE = "evaluated.jsonl"
 
 
 def snapshot_path(run_dir: Path, actor_id: int, step: int) -> Path:
@@ -208,9 +216,13 @@ class ResumePoint:
         return self.snapshot is None
 
 
-def choose_resume_point(run_dir: Path, attempt: int, actor_id: int = 0) -> ResumePoint:
-    """The newest checkpoint with the actor's snapshot at its step, else the run's start."""
-    paired = paired_checkpoint(run_dir, actor_id)
+def choose_resume_point(run_dir: Path, attempt: int, actor_id: int = 0,
+                        eval_due_at: Callable[[int], bool] | None = None) -> ResumePoint:
+    """The newest checkpoint with the actor's snapshot at its step, else the run's start.
+    With evaluation (`eval_due_at`: whether a version past 0 is on its schedule), also every
+    version of the schedule up to that step evaluated (`evaluated_versions`): a version the
+    crashed evaluator held but had not evaluated yet is gone, and must be made again."""
+    paired = paired_checkpoint(run_dir, actor_id, eval_due_at)
     if paired is None:
         return ResumePoint(attempt, 0, 0, None, None)
     step = read_state(paired)["step"]
@@ -219,12 +231,34 @@ def choose_resume_point(run_dir: Path, attempt: int, actor_id: int = 0) -> Resum
                        str(snapshot))
 
 
-def paired_checkpoint(run_dir: Path, actor_id: int = 0) -> Path | None:
-    """The newest complete checkpoint whose step has a snapshot of the actor."""
+def paired_checkpoint(run_dir: Path, actor_id: int = 0,
+                      eval_due_at: Callable[[int], bool] | None = None) -> Path | None:
+    """The newest complete checkpoint whose step has a snapshot of the actor (and, with
+    `eval_due_at`, whose evaluations up to its step are all done)."""
+    evaluated = evaluated_versions(run_dir)
     for path in reversed(complete_checkpoints(run_dir)):
-        if snapshot_path(run_dir, actor_id, read_state(path)["step"]).exists():
+        step = read_state(path)["step"]
+        if not snapshot_path(run_dir, actor_id, step).exists():
+            continue
+        if eval_due_at is None or all(v in evaluated for v in range(step + 1)
+                                      if v == 0 or eval_due_at(v)):
             return path
     return None
+
+
+def record_evaluated(run_dir: Path, version: int, attempt: int) -> None:
+    """The evaluator's note that `version`'s result is on the eval stream (or its weights kept
+    for a deferred pass), written after it: a resume need not make that version again."""
+    path = Path(run_dir) / REPLAY_DIR / EVALUATED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    append_row(path, {"version": version, "attempt": attempt})
+
+
+def evaluated_versions(run_dir: Path) -> set[int]:
+    """The versions evaluated (or kept for a deferred pass) by any attempt: in deterministic
+    mode a version's weights, and so its result, are the same in every attempt."""
+    path = Path(run_dir) / REPLAY_DIR / EVALUATED_FILE
+    return {int(row["version"]) for row in read_rows(path)} if path.exists() else set()
 
 
 def record_resume_point(run_dir: Path, point: ResumePoint) -> None:

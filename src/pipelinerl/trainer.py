@@ -418,9 +418,12 @@ class Trainer:
         """Write a checkpoint; then, unless stream.keep_all, delete the rollouts before its
         reader offsets: no resume goes back before the newest checkpoint."""
         state = self.checkpoint_state()
-        # Deterministic mode resumes only from a checkpoint the actor has a snapshot for: the
-        # newest such one is kept, and the stream it reads from.
-        paired = paired_checkpoint(self.cfg.run_dir) if self.cfg.deterministic.enabled else None
+        # Deterministic mode resumes only from a checkpoint the actor has a snapshot for (and
+        # whose evaluations are done): the newest such one is kept, and the stream it reads from.
+        paired = None
+        if self.cfg.deterministic.enabled:
+            due = functools.partial(eval_due, self.cfg) if self.cfg.eval.enabled else None
+            paired = paired_checkpoint(self.cfg.run_dir, eval_due_at=due)
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
                                self.scheduler, state, self.cfg.trainer.checkpoint_keep,
                                protect=paired)

@@ -10,6 +10,11 @@ never trained); `done`, a failed call, `max_turns` or a reply that leaves no bud
 tokens together, so a rollout fits the engine whatever its turns. The last turn allowed
 (`max_turns`) is answered too: a `done` reply ends the rollout as finished, any other as
 truncated ("length", its text not appended).
+
+In deterministic mode (`reply_delay`, docs/determinism.md) a reply is applied at a point of the
+decode clock rather than when its worker returns it: `reply_delay` decode steps after its turn
+ended, in the order the turns ended (all at once when nothing is left to decode), waiting for
+the worker if it is not back yet. The batch then changes at the same steps on every run.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pipelinerl.engine.base import Engine
-from pipelinerl.envs.pool import EnvPool
+from pipelinerl.envs.pool import EnvPool, EnvResult
+from pipelinerl.replay import DueQueue
 from pipelinerl.tasks.base import Problem
 from pipelinerl.tasks.environment import Environment, Reply, Turn
 from pipelinerl.types import ENV_VERSION, GenerationOutput, GenerationRequest, SamplingParams
@@ -61,6 +67,14 @@ class EnvStats:
     failures: Counter = field(default_factory=Counter)
     wait_slot_s: float = 0.0  # engine slot-seconds spent waiting for the environment
 
+    def counts(self) -> dict[str, object]:
+        """The counters of the logical clocks (a deterministic snapshot's; the rest are
+        wall-clock)."""
+        return {"calls": self.calls, "failures": Counter(self.failures)}
+
+    def restore_counts(self, counts: dict[str, object]) -> None:
+        self.calls, self.failures = counts["calls"], Counter(counts["failures"])
+
     def snapshot(self, elapsed_s: float, capacity: int) -> dict[str, float]:
         return {
             "env_calls": self.calls,
@@ -82,10 +96,12 @@ class Rollouts:
         sampling: SamplingParams,
         timeout_s: float,
         workers: int,
+        reply_delay: int | None = None,
     ) -> None:
         """`encode_text`: plain tokenisation (no special tokens, no template); `sampling`:
         the actor's, the default of `request`. A request's max_new_tokens is the budget of its
-        whole transcript."""
+        whole transcript. `reply_delay`: deterministic mode's, in decode steps (None: replies
+        are applied as they come back)."""
         self.env = env
         self.engine = engine
         self.encode_text = encode_text
@@ -99,6 +115,9 @@ class Rollouts:
         self.pool = EnvPool(env, timeout_s, workers)
         self.stats = EnvStats()
         self._running: dict[str, Transcript] = {}
+        self._asked: set[str] = set()  # rollouts whose reply is not applied yet
+        self._due = None if reply_delay is None else DueQueue(reply_delay)
+        self._back: dict[str, EnvResult] = {}  # deterministic: replies back before they are due
         self._last_tick = time.monotonic()
 
     def request(self, request_id: str, problem: Problem, prompt_ids: list[int],
@@ -114,11 +133,12 @@ class Rollouts:
 
     def waiting(self) -> int:
         """Rollouts whose sequence waits for the environment."""
-        return self.pool.pending()
+        return len(self._asked)
 
-    def on_turn(self, out: GenerationOutput) -> Transcript | None:
-        """Record a finished turn; the transcript if the rollout is over (its engine request
-        released), else None (the environment was asked)."""
+    def on_turn(self, out: GenerationOutput, decode_steps: int = 0) -> Transcript | None:
+        """Record a finished turn (after `decode_steps` steps of the decode clock); the
+        transcript if the rollout is over (its engine request released), else None (the
+        environment was asked)."""
         t = self._running[out.request_id]
         t.token_ids += out.token_ids
         t.logprobs += out.logprobs
@@ -131,24 +151,42 @@ class Rollouts:
             t.ends_with_stop_token = out.token_ids[-1] in self.stop_token_ids
             return self._end(t, "stop")
         self.stats.calls += 1
+        self._asked.add(t.request_id)
+        if self._due is not None:
+            self._due.expect(t.request_id, decode_steps)
         self.pool.submit(t.request_id, t.problem, list(t.turns))
         return None
 
-    def poll(self) -> list[Transcript]:
-        """Apply the environment's replies that came back: the rollouts they ended."""
+    def poll(self, decode_steps: int = 0, idle: bool = False) -> list[Transcript]:
+        """Apply the environment's replies that came back (deterministic mode: those due at
+        `decode_steps`, every one asked when `idle`, waiting for them): the rollouts they
+        ended."""
         now = time.monotonic()
-        self.stats.wait_slot_s += (now - self._last_tick) * self.pool.pending()
+        self.stats.wait_slot_s += (now - self._last_tick) * len(self._asked)
         self._last_tick = now
+        if self._due is None:
+            return [t for result in self.pool.poll() if (t := self._apply(result)) is not None]
         ended = []
-        for result in self.pool.poll():
-            t = self._running[result.key]
-            self.stats.latency_s += result.latency_s
-            if result.reply is None:
-                self.stats.failures[result.failure] += 1
-                ended.append(self._end(t, result.failure))
-            elif (reason := self._continue(t, result.reply)) is not None:
-                ended.append(self._end(t, reason))
+        while (key := self._due.pop_due(decode_steps, idle)) is not None:
+            while key not in self._back:
+                self._back.update((r.key, r) for r in self.pool.poll())
+                if key not in self._back:
+                    self.pool.wait(0.005)
+            if (t := self._apply(self._back.pop(key))) is not None:
+                ended.append(t)
         return ended
+
+    def _apply(self, result: EnvResult) -> Transcript | None:
+        """Apply one reply; the transcript if it ended the rollout."""
+        t = self._running[result.key]
+        self._asked.discard(result.key)
+        self.stats.latency_s += result.latency_s
+        if result.reply is None:
+            self.stats.failures[result.failure] += 1
+            return self._end(t, result.failure)
+        if (reason := self._continue(t, result.reply)) is not None:
+            return self._end(t, reason)
+        return None
 
     def _continue(self, t: Transcript, reply: Reply) -> str | None:
         """Append the reply and start the model's next turn; or the reason the rollout ends."""
