@@ -11,7 +11,7 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from fake_tasks import FakeTask
@@ -579,20 +579,38 @@ def _resume_args(runs: Path, cache: Path, name: str, *extra: str) -> list[str]:
             "task.params={min_terms: 2, max_terms: 2, max_operand: 3}", *extra]
 
 
+# The tasks the crash test runs: the demo's, and the calculator's multi-turn tool use (whose
+# replies, calls and failures the actor's snapshot carries across the crash).
+TASKS = {"arithmetic": (),
+         "calculator": ("task.name=calculator", "warmstart.steps=150", "actor.env_workers=2",
+                        "task.params={tool_demo_prob: 1.0, min_terms: 2, max_terms: 2, "
+                        "max_operand: 3}")}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, warm_cache: Path) -> Path:
-    runs = tmp_path_factory.mktemp("runs")
-    whole = _train(_resume_args(runs, warm_cache, "whole"))
-    _, err = whole.communicate(timeout=300)
-    assert whole.returncode == 0, err[-4000:]
-    return runs / "whole"
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, warm_cache: Path
+                  ) -> Callable[[str], Path]:
+    """The uninterrupted run of a task of TASKS (each made once)."""
+    made: dict[str, Path] = {}
+
+    def run_dir(task: str) -> Path:
+        if task not in made:
+            runs = tmp_path_factory.mktemp("runs")
+            whole = _train(_resume_args(runs, warm_cache, "whole", *TASKS[task]))
+            _, err = whole.communicate(timeout=300)
+            assert whole.returncode == 0, err[-4000:]
+            made[task] = runs / "whole"
+        return made[task]
+
+    return run_dir
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("role", ["trainer", "actor"])
+@pytest.mark.parametrize("role, task", [("trainer", "arithmetic"), ("actor", "arithmetic"),
+                                        ("actor", "calculator")])
 def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted(
-        tmp_path, warm_cache, uninterrupted, role):
+        tmp_path, warm_cache, uninterrupted, role, task):
     """SIGKILL to a role's process group at a random step: the trainer's, then `--resume`; an
     actor's, which the launcher resumes the run for (trainer.max_restarts). The run ends with
     the uninterrupted run's final weights hash, its metrics.jsonl rows (every step once, equal
@@ -601,10 +619,12 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     group) and trained.jsonl."""
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    kill_at = rng.randint(1, CRASH_STEPS - 2)
+    # The calculator's is killed past a snapshot: its resumed rollouts must draw what the
+    # uninterrupted ones did, from a fresh engine.
+    kill_at = rng.randint(5 if task == "calculator" else 1, CRASH_STEPS - 2)
     why = f"{role} killed after step {kill_at} (seed {seed}): "
     auto_resume = ["trainer.max_restarts=1"] if role == "actor" else []
-    args = _resume_args(tmp_path / "runs", warm_cache, "killed", *auto_resume)
+    args = _resume_args(tmp_path / "runs", warm_cache, "killed", *TASKS[task], *auto_resume)
     run_dir = tmp_path / "runs" / "killed"
     proc = _train(args)
     _wait_for_step(proc, run_dir, kill_at, poll_s=0.01)
@@ -634,6 +654,10 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     assert steps == list(range(1, CRASH_STEPS + 1)), why
     evals = [r["eval/version"] for r in _metrics(run_dir) if "eval/version" in r]
     assert evals == list(range(0, CRASH_STEPS + 1, 2)), why
-    assert _metrics(run_dir) == _metrics(uninterrupted), why
+    whole = uninterrupted(task)
+    assert _metrics(run_dir) == _metrics(whole), why
     for name in ("samples.jsonl", "trained.jsonl", "weights.sha256"):
-        assert (run_dir / name).read_text() == (uninterrupted / name).read_text(), why + name
+        assert (run_dir / name).read_text() == (whole / name).read_text(), why + name
+    if task == "calculator":  # the tool was called, before the crash and after it
+        calls = [r["actor_env_calls"] for r in _metrics(run_dir) if "actor_env_calls" in r]
+        assert 0 < calls[0] < calls[-1], why

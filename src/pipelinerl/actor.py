@@ -566,10 +566,11 @@ class Actor:
         self._groups[group_id] = _PendingGroup(problem, data_pos)
         for i in range(self.group_size):
             rid = request_id(group_id, i)
+            params = self._sampling_of(group_id, i)
             if self.rollouts is not None:
-                request = self.rollouts.request(rid, problem, prompt_ids)
+                request = self.rollouts.request(rid, problem, prompt_ids, params)
             else:
-                request = GenerationRequest(rid, list(prompt_ids), self._sampling_of(group_id, i))
+                request = GenerationRequest(rid, list(prompt_ids), params)
             self.engine.add_request(request)
         self.in_flight += self.group_size
         return True

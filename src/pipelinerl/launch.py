@@ -144,7 +144,8 @@ def choose_deterministic_resume(cfg: Config) -> None:
     point = choose_resume_point(cfg.run_dir, cfg.attempt, eval_due_at=due)
     record_resume_point(cfg.run_dir, point)
     where = (f"step {point.step}'s checkpoint and the actor's snapshot after {point.seq} groups"
-             if point.snapshot else "the run's start (no checkpoint has an actor snapshot)")
+             if point.snapshot else "the run's start (no checkpoint has an actor snapshot"
+             + (" and every scheduled evaluation up to its step done)" if due else ")"))
     print(f"deterministic resume (attempt {cfg.attempt}) from {where}", file=sys.stderr)
 
 
