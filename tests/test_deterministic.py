@@ -608,11 +608,11 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, warm_cache: Path
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("role, task", [("trainer", "arithmetic"), ("actor", "arithmetic"),
-                                        ("actor", "calculator")])
+                                        ("evaluator", "arithmetic"), ("actor", "calculator")])
 def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted(
         tmp_path, warm_cache, uninterrupted, role, task):
     """SIGKILL to a role's process group at a random step: the trainer's, then `--resume`; an
-    actor's, which the launcher resumes the run for (trainer.max_restarts). The run ends with
+    actor's or the evaluator's, which the launcher resumes the run for (trainer.max_restarts). The run ends with
     the uninterrupted run's final weights hash, its metrics.jsonl rows (every step once, equal
     but for the wall-clock fields: held-out results of versions 0, 2, ..., 8 among them, the
     ones before the resume point evaluated by the killed attempt), samples.jsonl (every
@@ -623,14 +623,15 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     # uninterrupted ones did, from a fresh engine.
     kill_at = rng.randint(5 if task == "calculator" else 1, CRASH_STEPS - 2)
     why = f"{role} killed after step {kill_at} (seed {seed}): "
-    auto_resume = ["trainer.max_restarts=1"] if role == "actor" else []
+    auto_resume = ["trainer.max_restarts=1"] if role != "trainer" else []
     args = _resume_args(tmp_path / "runs", warm_cache, "killed", *TASKS[task], *auto_resume)
     run_dir = tmp_path / "runs" / "killed"
     proc = _train(args)
     _wait_for_step(proc, run_dir, kill_at, poll_s=0.01)
     time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or two
-    pattern = (f"pipelinerl.cli trainer {run_dir}/config.yaml" if role == "trainer"
-               else f"actor {run_dir}/config.yaml --actor-id 0")
+    pattern = {"trainer": f"pipelinerl.cli trainer {run_dir}/config.yaml",
+               "actor": f"actor {run_dir}/config.yaml --actor-id 0",
+               "evaluator": f"pipelinerl.cli evaluator {run_dir}/config.yaml"}[role]
     os.killpg(_pid_of(pattern), signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     if role == "trainer":
@@ -640,7 +641,8 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
         assert resumed.returncode == 0, why + err[-4000:]
     else:
         assert proc.returncode == 0, why + err[-4000:]
-        assert "the actor_0 died: resuming the run from its newest checkpoint" in err, why + err
+        dead = "actor_0" if role == "actor" else role
+        assert f"the {dead} died: resuming the run from its newest checkpoint" in err, why + err
     resumed_from = next(line for line in err.splitlines()
                         if line.startswith("deterministic resume (attempt 1) from "))
     print(why + resumed_from)
