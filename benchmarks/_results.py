@@ -103,7 +103,14 @@ def environment(load_at_start: tuple[float, float, float] | None,
 
 
 def this_command() -> str:
-    return "python " + shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+    """This process's command line, an argument naming a path outside the checkout (a run
+    directory) written as OUT: a record names no path of the machine that made it."""
+    def portable_arg(arg: str) -> str:
+        outside = os.path.isabs(arg) and not Path(arg).resolve().is_relative_to(ROOT)
+        return "OUT" if outside else arg
+
+    return "python " + shlex.join([os.path.relpath(sys.argv[0]),
+                                   *map(portable_arg, sys.argv[1:])])
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

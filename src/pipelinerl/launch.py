@@ -9,7 +9,6 @@ which is how a multi-machine run starts them (docs/multinode.md).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import secrets
 import shutil
@@ -138,9 +137,9 @@ def prepare_resume(cfg: Config) -> Config:
 def choose_deterministic_resume(cfg: Config) -> None:
     """Pair the trainer's newest checkpoint that has an actor snapshot with that snapshot and
     record it for both roles, before either starts (docs/determinism.md)."""
-    from pipelinerl.replay import choose_resume_point, eval_due, record_resume_point  # torch
+    from pipelinerl.replay import choose_resume_point, eval_schedule, record_resume_point  # torch
 
-    due = functools.partial(eval_due, cfg) if cfg.eval.enabled else None
+    due = eval_schedule(cfg)
     point = choose_resume_point(cfg.run_dir, cfg.attempt, eval_due_at=due)
     record_resume_point(cfg.run_dir, point)
     where = (f"step {point.step}'s checkpoint and the actor's snapshot after {point.seq} groups"

@@ -14,6 +14,7 @@ happens at a point its own counters decide, so two runs of one config and seed d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -59,6 +60,12 @@ def eval_due(cfg: Config, version: int) -> bool:
     a version, until the evaluator holds it: a newer one could replace it in the channel."""
     every = cfg.eval.every_steps
     return version > 0 and every > 0 and version % every == 0
+
+
+def eval_schedule(cfg: Config) -> Callable[[int], bool] | None:
+    """`eval_due` for this config when it evaluates (None: no evaluation): what a resume
+    point's evaluations must cover (`paired_checkpoint`)."""
+    return functools.partial(eval_due, cfg) if cfg.eval.enabled else None
 
 
 def check_deterministic_task(cfg: Config, task: Task) -> None:
@@ -235,7 +242,7 @@ def paired_checkpoint(run_dir: Path, actor_id: int = 0,
                       eval_due_at: Callable[[int], bool] | None = None) -> Path | None:
     """The newest complete checkpoint whose step has a snapshot of the actor (and, with
     `eval_due_at`, whose evaluations up to its step are all done)."""
-    evaluated = evaluated_versions(run_dir)
+    evaluated = evaluated_versions(run_dir) if eval_due_at is not None else set()
     for path in reversed(complete_checkpoints(run_dir)):
         step = read_state(path)["step"]
         if not snapshot_path(run_dir, actor_id, step).exists():

@@ -49,6 +49,7 @@ from pipelinerl.records import open_resumed, read_rows
 from pipelinerl.replay import (
     SupersededFilter,
     eval_due,
+    eval_schedule,
     is_superseded,
     paired_checkpoint,
     resume_point,
@@ -420,10 +421,8 @@ class Trainer:
         state = self.checkpoint_state()
         # Deterministic mode resumes only from a checkpoint the actor has a snapshot for (and
         # whose evaluations are done): the newest such one is kept, and the stream it reads from.
-        paired = None
-        if self.cfg.deterministic.enabled:
-            due = functools.partial(eval_due, self.cfg) if self.cfg.eval.enabled else None
-            paired = paired_checkpoint(self.cfg.run_dir, eval_due_at=due)
+        paired = (paired_checkpoint(self.cfg.run_dir, eval_due_at=eval_schedule(self.cfg))
+                  if self.cfg.deterministic.enabled else None)
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
                                self.scheduler, state, self.cfg.trainer.checkpoint_keep,
                                protect=paired)
