@@ -429,13 +429,32 @@ def test_resume_points_pair_a_checkpoint_with_the_actors_snapshot_at_its_step(tm
         (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
             json.dumps({"step": step}))
     for step, seq in ((2, 9), (4, 18)):
-        write_snapshot(run_dir, 0, step, {"published": seq}, keep=2)
+        write_snapshot(run_dir, 0, step, {"published": seq})
     point = choose_resume_point(run_dir, 1)
     assert (point.step, point.seq) == (4, 18) and point.checkpoint.endswith("step_00000004")
     assert read_snapshot(point.snapshot) == {"published": 18}
-    write_snapshot(run_dir, 0, 6, {"published": 27}, keep=2)
-    assert not snapshot_path(run_dir, 0, 2).exists()  # the newest 2 kept
+    write_snapshot(run_dir, 0, 6, {"published": 27})
     assert paired_checkpoint(run_dir).name == "step_00000006"
+
+
+def test_a_snapshot_stays_while_its_checkpoint_does_and_while_the_actor_is_ahead(tmp_path):
+    # The trainer kept checkpoints 2 (the newest one a resume could use: the evaluator lags),
+    # 6 and 8 of 2, 4, 6, 8; the actor, ahead, snapshots versions 10 and 12 before their
+    # checkpoints exist. Snapshot 4 pairs with nothing any more; 2, 6 and 8 still pair.
+    run_dir = tmp_path / "run"
+    for step in (2, 6, 8):
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
+            json.dumps({"step": step}))
+    for step in (2, 4, 6, 8, 10, 12):
+        write_snapshot(run_dir, 0, step, {"published": 9 * step})
+    kept = sorted(int(p.stem.removeprefix("step_"))
+                  for p in snapshot_path(run_dir, 0, 0).parent.glob("step_*.pkl"))
+    assert kept == [2, 6, 8, 10, 12]
+    every_2 = lambda version: version % 2 == 0  # noqa: E731
+    for version in (0, 2):
+        record_evaluated(run_dir, version, attempt=0)
+    assert choose_resume_point(run_dir, 1, eval_due_at=every_2).step == 2
 
 
 def test_a_resume_point_has_every_scheduled_evaluation_up_to_its_step_done(tmp_path):
@@ -447,7 +466,7 @@ def test_a_resume_point_has_every_scheduled_evaluation_up_to_its_step_done(tmp_p
         (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
         (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
             json.dumps({"step": step}))
-        write_snapshot(run_dir, 0, step, {"published": seq}, keep=3)
+        write_snapshot(run_dir, 0, step, {"published": seq})
     every_2 = lambda version: version % 2 == 0  # noqa: E731
     assert choose_resume_point(run_dir, 1, eval_due_at=every_2).step == 0  # nothing evaluated
     for version in (0, 2):

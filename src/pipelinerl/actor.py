@@ -418,9 +418,8 @@ class Actor:
         assert sorted(waiting) == sorted(self._groups), "a started group is neither in the "\
             "engine nor waiting for its scores"
         self._await_scores(waiting)
-        keep = self.cfg.trainer.checkpoint_keep + 1  # one more than the trainer's: it pairs
         path = write_snapshot(self.cfg.run_dir, self.actor_id, self.engine.version,
-                              self.state(), keep)
+                              self.state())
         log.info("snapshot of version %d after %d groups written to %s", self.engine.version,
                  self.published, path)
         self.draining = False

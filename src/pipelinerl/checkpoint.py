@@ -67,6 +67,12 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return [found[step] for step in sorted(found)]
 
 
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints, oldest first (read from their names)."""
+    return [int(p.name.strip(".").removesuffix(".old").removeprefix("step_"))
+            for p in complete_checkpoints(run_dir)]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None

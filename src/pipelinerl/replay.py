@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from pipelinerl.batches import is_stale, stale_bound
-from pipelinerl.checkpoint import complete_checkpoints, read_state
+from pipelinerl.checkpoint import checkpoint_steps, complete_checkpoints, read_state
 from pipelinerl.config import Config
 from pipelinerl.records import append_row, read_rows
 from pipelinerl.streams.base import StreamReader
@@ -182,10 +182,13 @@ def snapshot_path(run_dir: Path, actor_id: int, step: int) -> Path:
     return Path(run_dir) / REPLAY_DIR / f"actor_{actor_id}" / f"step_{step:08d}.pkl"
 
 
-def write_snapshot(run_dir: Path, actor_id: int, step: int, state: dict[str, Any],
-                   keep: int) -> Path:
-    """Write the actor's state at version `step` atomically (fsynced, then renamed) and keep
-    the newest `keep` snapshots."""
+def write_snapshot(run_dir: Path, actor_id: int, step: int, state: dict[str, Any]) -> Path:
+    """Write the actor's state at version `step` atomically (fsynced, then renamed), and delete
+    the snapshots no resume can pair: those older than the trainer's newest checkpoint with no
+    checkpoint at their step. A snapshot of a step the trainer kept a checkpoint of stays
+    (the trainer keeps, past its newest `checkpoint_keep`, the newest one a resume can use,
+    which may be far back while the evaluator lags), and so do those newer than its newest
+    checkpoint (the actor runs ahead: their checkpoints are still to come)."""
     path = snapshot_path(run_dir, actor_id, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -194,8 +197,12 @@ def write_snapshot(run_dir: Path, actor_id: int, step: int, state: dict[str, Any
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
-    for old in sorted(path.parent.glob("step_*.pkl"))[:-keep]:
-        old.unlink(missing_ok=True)
+    checkpointed = checkpoint_steps(run_dir)
+    newest = checkpointed[-1] if checkpointed else -1
+    for old in path.parent.glob("step_*.pkl"):
+        old_step = int(old.stem.removeprefix("step_"))
+        if old_step < newest and old_step not in checkpointed:
+            old.unlink(missing_ok=True)
     return path
 
 
