@@ -35,6 +35,9 @@ from pipelinerl.replay import (
     WALL_CLOCK_FIELDS,
     ResumePoint,
     DueQueue,
+    MergedReader,
+    MergedView,
+    PublishedLog,
     SupersededFilter,
     TrainerMirror,
     check_deterministic_task,
@@ -50,6 +53,7 @@ from pipelinerl.replay import (
     write_snapshot,
 )
 from pipelinerl.tasks import make_train_task
+from pipelinerl.batches import oldest_version
 from pipelinerl.types import Group, Sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
@@ -95,11 +99,14 @@ def _rollouts(cfg: Config) -> list[dict[str, Any]]:
     return groups
 
 
-def _assert_replayed(first: Config, second: Config) -> list[dict[str, Any]]:
-    """The pair's rollouts, samples, trained groups, metrics (but the wall-clock fields) and
-    final weights hash are equal; returns the first run's groups."""
+def _assert_replayed(first: Config, second: Config, in_stream_order: bool = True
+                     ) -> list[dict[str, Any]]:
+    """The pair's rollouts (`in_stream_order`: in the stream's order too), samples, trained
+    groups, metrics (but the wall-clock fields) and final weights hash are equal; returns the
+    first run's groups."""
     groups = _rollouts(first)
-    assert groups == _rollouts(second)  # tokens, versions, engine log-probs, rewards, order
+    if in_stream_order:
+        assert groups == _rollouts(second)  # tokens, versions, engine log-probs, rewards, order
     for name in ("samples.jsonl", "trained.jsonl"):
         assert (first.run_dir / name).read_text() == (second.run_dir / name).read_text()
     assert _metrics(first.run_dir) == _metrics(second.run_dir)
@@ -131,6 +138,27 @@ def test_two_runs_of_one_config_replay_bit_for_bit(tmp_path, warm_cache):
     # Nothing past the trainer's last step: when the stop record arrives is timing.
     trained = [json.loads(line)
                for line in (first.run_dir / "trained.jsonl").read_text().splitlines()]
+    assert len(groups) == sum(len(r["trained"]) + sum(map(len, r["dropped"].values()))
+                              for r in trained)
+
+
+def test_two_actors_replay_whatever_order_their_groups_reach_the_stream(tmp_path, warm_cache):
+    # Each actor's groups reach the shared stream when its timing says; the trainer takes them
+    # round-robin by seq, and each actor's clock follows the trainer through the other's log.
+    first, second = (_run(tmp_path, warm_cache, name, "actor.num_actors=2")
+                     for name in ("first", "second"))
+    by_actor = lambda cfg: sorted(_rollouts(cfg), key=lambda g: (g["actor_id"], g["seq"]))  # noqa: E731
+    assert by_actor(first) == by_actor(second)
+    groups = _assert_replayed(first, second, in_stream_order=False)
+    trained = [json.loads(line)
+               for line in (first.run_dir / "trained.jsonl").read_text().splitlines()]
+    ids = [gid for row in trained for gid in row["trained"]]
+    by_id = {g["group_id"]: g for g in groups}
+    assert [(by_id[i]["seq"], by_id[i]["actor_id"]) for i in ids] == \
+        sorted((by_id[i]["seq"], by_id[i]["actor_id"]) for i in ids)  # round-robin
+    assert {by_id[i]["actor_id"] for i in ids} == {0, 1}
+    assert any(len(set(s["versions"])) > 1 for g in groups for s in g["samples"])
+    # Nothing past the trainer's last step from either actor.
     assert len(groups) == sum(len(r["trained"]) + sum(map(len, r["dropped"].values()))
                               for r in trained)
 
@@ -206,14 +234,14 @@ def _group(gid: str, oldest: int, newest: int = 0) -> Group:
 def test_the_mirror_predicts_the_trainers_batches_and_drops(seed):
     rng = random.Random(seed)
     per_step, max_lag = 3, 2
-    mirror = TrainerMirror(per_step, max_lag, publish_every=1, lag_groups=0, max_steps=100)
+    mirror = TrainerMirror(per_step, max_lag, publish_every=1, max_steps=100)
     groups, kept, dropped = [], [], []
     for i in range(60):
         step = mirror.usable // per_step
         group = _group(f"g{i}", rng.randint(max(0, step - max_lag - 2), step), newest=step)
         groups.append(group)
         before = mirror.usable
-        mirror.add(group)
+        mirror.add(oldest_version(group))
         (kept if mirror.usable > before else dropped).append(group.group_id)
     assert mirror.dropped == len(dropped) > 0
     source = BatchSource(_ListReader([g.to_dict() for g in groups]), group_size=2,
@@ -227,16 +255,18 @@ def test_the_mirror_predicts_the_trainers_batches_and_drops(seed):
 
 
 def test_versions_fall_due_after_the_groups_that_train_them_and_the_lag():
-    mirror = TrainerMirror(per_step=2, max_lag=None, publish_every=2, lag_groups=1,
-                           max_steps=5)
+    mirror = TrainerMirror(per_step=2, max_lag=None, publish_every=2, max_steps=5)
+    view = MergedView(mirror, actor_id=0, num_actors=1, lag_groups=1, logs={})
     due, done = [], []
     for i in range(10):
-        mirror.add(_group(f"g{i}", 0))
+        view.publish(i + 1, 0)
+        assert view.catch_up(i + 1, should_stop=lambda: False)
         due.append(mirror.version_due())
-        done.append(mirror.done())
+        done.append(view.complete or not view.trains(i + 2, should_stop=lambda: False))
     # Version 2 (published every 2 steps of 2 groups) once 2 * 2 + 1 groups are in; 4 at 9.
     assert due == [0, 0, 0, 0, 2, 2, 2, 2, 4, 4]
-    assert done == [False] * 9 + [True]  # 5 steps of 2 groups
+    assert done == [False] * 9 + [True]  # 5 steps of 2 groups: the 11th is not taken
+    assert view.complete and not mirror.done()  # the mirror is one group behind
 
 
 def _all_due(queue: DueQueue, decode_steps: int, idle: bool) -> list[str]:
@@ -423,7 +453,7 @@ def test_an_actor_resumed_from_a_snapshot_publishes_what_the_uninterrupted_one_d
 
 def test_resume_points_pair_a_checkpoint_with_the_actors_snapshot_at_its_step(tmp_path):
     run_dir = tmp_path / "run"
-    assert choose_resume_point(run_dir, 1) == ResumePoint(1, 0, 0, None, None)  # nothing yet
+    assert choose_resume_point(run_dir, 1) == ResumePoint(1, 0, (0,), None, None)  # nothing yet
     for step in (2, 4, 6):  # checkpoints of steps 2, 4, 6; snapshots of versions 2 and 4
         (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
         (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
@@ -431,8 +461,8 @@ def test_resume_points_pair_a_checkpoint_with_the_actors_snapshot_at_its_step(tm
     for step, seq in ((2, 9), (4, 18)):
         write_snapshot(run_dir, 0, step, {"published": seq})
     point = choose_resume_point(run_dir, 1)
-    assert (point.step, point.seq) == (4, 18) and point.checkpoint.endswith("step_00000004")
-    assert read_snapshot(point.snapshot) == {"published": 18}
+    assert (point.step, point.seqs) == (4, (18,)) and point.checkpoint.endswith("step_00000004")
+    assert read_snapshot(point.snapshots[0]) == {"published": 18}
     write_snapshot(run_dir, 0, 6, {"published": 27})
     assert paired_checkpoint(run_dir).name == "step_00000006"
 
@@ -509,22 +539,94 @@ def test_the_trainer_logs_one_result_per_version_of_any_attempt_by_version():
 
 
 def test_groups_a_later_attempt_published_again_are_left_out(tmp_path):
-    # Attempt 1 resumed after 10 groups, attempt 2 after 14 (from attempt 1's snapshot),
-    # attempt 3 after 10 again (attempt 2 died before its first snapshot).
-    points = [ResumePoint(1, 4, 10, "c", "s"), ResumePoint(2, 6, 14, "c", "s"),
-              ResumePoint(3, 4, 10, "c", "s")]
+    # Two actors. Attempt 1 resumed after 10 and 9 groups, attempt 2 after 14 and 13 (from
+    # attempt 1's snapshots), attempt 3 after 10 and 9 again (attempt 2 died before its first).
+    points = [ResumePoint(1, 4, (10, 9), "c", ("s0", "s1")),
+              ResumePoint(2, 6, (14, 13), "c", ("s0", "s1")),
+              ResumePoint(3, 4, (10, 9), "c", ("s0", "s1"))]
     kept = superseded_after(points)
-    assert kept == {0: 10, 1: 10, 2: 10}
-    assert superseded_after(points[:2]) == {0: 10, 1: 14}
-    records = [{"attempt": a, "seq": s, "group_id": f"{a}-{s}"}
+    assert kept == {(a, actor): seq for a in (0, 1, 2) for actor, seq in ((0, 10), (1, 9))}
+    assert superseded_after(points[:2]) == {(0, 0): 10, (0, 1): 9, (1, 0): 14, (1, 1): 13}
+    records = [{"attempt": a, "actor_id": 0, "seq": s, "group_id": f"{a}-{s}"}
                for a, seqs in ((0, range(1, 13)), (1, range(11, 16)), (3, range(11, 13)))
                for s in seqs]
     records.insert(5, {"heartbeat": True, "attempt": 0, "seq": 40})
+    records += [{"attempt": 0, "actor_id": 1, "seq": s, "group_id": f"b0-{s}"}
+                for s in range(8, 12)]
     reader = SupersededFilter(_ListReader(records), kept)
     read = reader.read(100, 0.0)
     assert [r.get("group_id") for r in read] == [*(f"0-{s}" for s in range(1, 6)), None,
                                                  *(f"0-{s}" for s in range(6, 11)),
-                                                 "3-11", "3-12"]
+                                                 "3-11", "3-12", "b0-8", "b0-9"]
+    # Rows written before several actors (one seq, one snapshot) read as one actor's.
+    old = ResumePoint.from_row({"attempt": 1, "step": 4, "seq": 10, "checkpoint": "c",
+                                "snapshot": "s"})
+    assert old == ResumePoint(1, 4, (10,), "c", ("s",))
+
+
+class _OffsetReader(_ListReader):
+    def offsets(self) -> dict[str, Any]:
+        return {"left": len(self.records)}
+
+
+def _merged_record(actor: int, seq: int, attempt: int = 0) -> dict[str, Any]:
+    return {"actor_id": actor, "seq": seq, "attempt": attempt, "group_id": f"{actor}/{seq}"}
+
+
+def test_the_trainer_takes_several_actors_groups_round_robin_by_seq_whatever_comes_first():
+    # Three actors' groups arrive in an order their timing made, a heartbeat among them.
+    rng = random.Random(0)
+    records = [_merged_record(a, s) for s in range(1, 6) for a in range(3)]
+    rng.shuffle(records)
+    records.insert(4, {"heartbeat": True, "actor_id": 2})
+    merged = MergedReader(_OffsetReader(records[:9]), num_actors=3)
+    first = merged.read(100, 0.0)
+    assert merged.offsets()["inner"] == {"left": 0}  # the stream's own
+    rest = MergedReader(_OffsetReader(records[9:]), 3, merged.offsets())  # a checkpoint's resume
+    out = first + rest.read(100, 0.0)
+    assert {"heartbeat": True, "actor_id": 2} in first
+    assert [r["group_id"] for r in out if not r.get("heartbeat")] == \
+        [f"{a}/{s}" for s in range(1, 6) for a in range(3)]
+
+
+def test_a_resumed_merge_holds_again_the_groups_from_the_first_one_published_again():
+    # Two actors resumed from snapshots after 3 and 2 groups: the trainer's checkpoint had
+    # taken 0/1..0/4 and 1/1..1/3 (in order: positions 0..6), 1/4 held. Positions from
+    # 1/3's (5) on are held again; 1/3 and 0/4 are superseded, 0/3 is not.
+    merged = MergedReader(_OffsetReader([]), 2)
+    merged.next, merged.held = [5, 4], {(1, 4): _merged_record(1, 4)}
+    buffered = [Group.from_dict({**_merged_record(a, s), "prompt": "p", "samples": []})
+                for s in (3, 4) for a in (0, 1)][:3]  # 0/3, 1/3, 0/4 (1/4 not yet taken)
+    kept = {(0, 0): 3, (0, 1): 2}
+    buffered = [g for g in buffered if not (g.seq > kept[0, g.actor_id])]  # SupersededFilter
+    before = merged.resume_at((3, 2), buffered, kept)
+    assert [g.group_id for g in before] == ["0/3"]
+    assert merged.next == [4, 3] and merged.held == {}
+    again = [_merged_record(1, 3, attempt=1), _merged_record(0, 4, attempt=1),
+             _merged_record(1, 4, attempt=1)]
+    merged.reader = _OffsetReader(again)
+    assert [r["group_id"] for r in merged.read(10, 0.0)] == ["1/3", "0/4", "1/4"]
+
+
+def test_an_actors_view_waits_for_the_others_logs_and_skips_what_a_resume_superseded(tmp_path):
+    # Actor 1 of 2, lag_groups 1: after its n-th group the mirror has seen 2n + 1 - 1 groups.
+    log0 = PublishedLog(tmp_path, 0)
+    mirror = TrainerMirror(per_step=2, max_lag=0, publish_every=1, max_steps=100)
+    view = MergedView(mirror, actor_id=1, num_actors=2, lag_groups=1,
+                      logs={0: PublishedLog(tmp_path, 0, kept={(0, 0): 1})})
+    view.publish(1, 0)
+    assert not view.catch_up(1, should_stop=lambda: True)  # actor 0's first is not in yet
+    log0.append(attempt=0, seq=1, oldest_version=0)
+    log0.append(attempt=0, seq=2, oldest_version=0)  # superseded: attempt 1 wrote it again
+    with log0.path.open("ab") as f:
+        f.write(b'{"attempt": 1, "se')  # cut short by a crash
+    assert view.catch_up(1, should_stop=lambda: True) and view.position == 2
+    view.publish(2, 0)
+    log0.append(attempt=1, seq=2, oldest_version=1)  # the row starts on a line of its own
+    assert view.catch_up(2, should_stop=lambda: True) and view.position == 4
+    # 0/1, 1/1 at step 0; 0/2 (version 1) at step 1; 1/2 (version 0) stale there (max_lag 0).
+    assert (mirror.usable, mirror.dropped) == (3, 1)
+    assert PublishedLog(tmp_path, 0).new_rows() == [(1, 0), (2, 0), (2, 1)]  # none kept out
 
 
 def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
@@ -539,7 +641,7 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("actor.num_actors=2", "actor.num_actors"),
+    ("sync.backend=broadcast", "sync.backend"),
     ("actor.max_restarts=3", "actor.max_restarts"),
     ("actor.endpoint_port=8000", "actor.endpoint_port"),
     ("engine.backend=vllm", "engine.backend"),
@@ -549,7 +651,7 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
 ])
 def test_settings_not_yet_replayed_are_refused_naming_their_key(override, key):
     base = ["deterministic.enabled=true", "actor.max_restarts=0", "trainer.batch_size=16",
-            "actor.group_size=4", "actor.max_lag=4"]
+            "actor.group_size=4", "actor.max_lag=4", "actor.num_actors=2"]
     with pytest.raises(ConfigError, match=f"deterministic.enabled=true with {key}|{key} "):
         load_config(None, [*base, override])
     load_config(None, [*base[1:], override] if key != "deterministic.lag_groups" else base)
@@ -567,6 +669,13 @@ def test_lag_groups_is_bounded_by_the_step_and_the_staleness_bound():
         cfg("deterministic.lag_groups=1", "actor.max_lag=0")
     with pytest.raises(ConfigError, match="at most 0"):  # a round is admitted whole
         cfg("deterministic.lag_groups=1", "mode=conventional")
+    # Two actors: an actor's next group stands up to one group past its clock's point.
+    assert cfg("deterministic.lag_groups=2", "actor.max_lag=4",
+               "actor.num_actors=2").deterministic.lag_groups == 2
+    with pytest.raises(ConfigError, match="at most 2 .* actor.num_actors 2"):
+        cfg("deterministic.lag_groups=3", "actor.max_lag=4", "actor.num_actors=2")
+    with pytest.raises(ConfigError, match="at least one group of every actor"):
+        cfg("actor.num_actors=5")
 
 
 def test_an_episodic_task_is_refused_naming_the_task_and_an_environment_is_not():
@@ -598,9 +707,11 @@ def _resume_args(runs: Path, cache: Path, name: str, *extra: str) -> list[str]:
             "task.params={min_terms: 2, max_terms: 2, max_operand: 3}", *extra]
 
 
-# The tasks the crash test runs: the demo's, and the calculator's multi-turn tool use (whose
-# replies, calls and failures the actor's snapshot carries across the crash).
+# The runs the crash test makes: the demo's, with two actors too, and the calculator's
+# multi-turn tool use (whose replies, calls and failures the actor's snapshot carries across
+# the crash).
 TASKS = {"arithmetic": (),
+         "two_actors": ("actor.num_actors=2",),
          "calculator": ("task.name=calculator", "warmstart.steps=150", "actor.env_workers=2",
                         "task.params={tool_demo_prob: 1.0, min_terms: 2, max_terms: 2, "
                         "max_operand: 3}")}
@@ -627,11 +738,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, warm_cache: Path
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("role, task", [("trainer", "arithmetic"), ("actor", "arithmetic"),
-                                        ("evaluator", "arithmetic"), ("actor", "calculator")])
+                                        ("evaluator", "arithmetic"), ("actor", "calculator"),
+                                        ("trainer", "two_actors"), ("actor", "two_actors")])
 def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted(
         tmp_path, warm_cache, uninterrupted, role, task):
     """SIGKILL to a role's process group at a random step: the trainer's, then `--resume`; an
-    actor's or the evaluator's, which the launcher resumes the run for (trainer.max_restarts). The run ends with
+    actor's (of two actors, the second's) or the evaluator's, which the launcher resumes the
+    run for (trainer.max_restarts). The run ends with
     the uninterrupted run's final weights hash, its metrics.jsonl rows (every step once, equal
     but for the wall-clock fields: held-out results of versions 0, 2, ..., 8 among them, the
     ones before the resume point evaluated by the killed attempt), samples.jsonl (every
@@ -641,6 +754,7 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     # The calculator's is killed past a snapshot: its resumed rollouts must draw what the
     # uninterrupted ones did, from a fresh engine.
     kill_at = rng.randint(5 if task == "calculator" else 1, CRASH_STEPS - 2)
+    actor = 1 if task == "two_actors" else 0  # the one whose clock reads the other's log
     why = f"{role} killed after step {kill_at} (seed {seed}): "
     auto_resume = ["trainer.max_restarts=1"] if role != "trainer" else []
     args = _resume_args(tmp_path / "runs", warm_cache, "killed", *TASKS[task], *auto_resume)
@@ -649,7 +763,7 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
     _wait_for_step(proc, run_dir, kill_at, poll_s=0.01)
     time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or two
     pattern = {"trainer": f"pipelinerl.cli trainer {run_dir}/config.yaml",
-               "actor": f"actor {run_dir}/config.yaml --actor-id 0",
+               "actor": f"actor {run_dir}/config.yaml --actor-id {actor}",
                "evaluator": f"pipelinerl.cli evaluator {run_dir}/config.yaml"}[role]
     os.killpg(_pid_of(pattern), signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
@@ -660,7 +774,7 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
         assert resumed.returncode == 0, why + err[-4000:]
     else:
         assert proc.returncode == 0, why + err[-4000:]
-        dead = "actor_0" if role == "actor" else role
+        dead = f"actor_{actor}" if role == "actor" else role
         assert f"the {dead} died: resuming the run from its newest checkpoint" in err, why + err
     resumed_from = next(line for line in err.splitlines()
                         if line.startswith("deterministic resume (attempt 1) from "))
@@ -669,7 +783,7 @@ def test_a_run_killed_at_a_random_step_and_resumed_ends_as_one_never_interrupted
                  (run_dir / "replay" / "evaluated.jsonl").read_text().splitlines()]
     if kill_at >= 4 and all({"version": v, "attempt": 0} in evaluated for v in (0, 2)):
         # Step 2's checkpoint and snapshot were written by then, and versions 0 and 2 evaluated.
-        assert "checkpoint and the actor's snapshot" in resumed_from, why + resumed_from
+        assert "checkpoint and the actor" in resumed_from, why + resumed_from
 
     steps = [r["step"] for r in _metrics(run_dir) if "eval/version" not in r]
     assert steps == list(range(1, CRASH_STEPS + 1)), why

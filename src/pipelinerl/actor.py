@@ -31,14 +31,19 @@ from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.generation import sampling_from_config
 from pipelinerl.group_ids import format_group_id, next_restart, process_seed
 from pipelinerl.models.prompts import Codec, text_codec
+from pipelinerl.batches import oldest_version
 from pipelinerl.replay import (
     DueQueue,
+    MergedView,
+    PublishedLog,
     TrainerMirror,
     check_deterministic_task,
     read_snapshot,
     reply_delay_steps,
     request_seed,
     resume_point,
+    resume_points,
+    superseded_after,
     use_deterministic_torch,
     write_snapshot,
 )
@@ -235,6 +240,8 @@ class Actor:
         # Deterministic mode (pipelinerl.replay): weights, scores and the trainer's drops are
         # taken at points of logical clocks.
         self.mirror: TrainerMirror | None = None
+        self.view: MergedView | None = None  # the run's groups in the trainer's order
+        self.published_log: PublishedLog | None = None  # for the other actors' views
         self.score_queue: DueQueue | None = None
         self._scored: dict[str, Scored] = {}  # scores in before their group is due
         # Snapshots (docs/determinism.md): after loading a version that is a multiple of this
@@ -245,6 +252,9 @@ class Actor:
             self.snapshot_every = cfg.trainer.checkpoint_every_steps
             check_deterministic_task(cfg, task)
             self.mirror = TrainerMirror.of(cfg)
+            self.view = self._merged_view(cfg, actor_id, self.mirror)
+            if cfg.actor.num_actors > 1:
+                self.published_log = PublishedLog(cfg.run_dir, actor_id)
             self.score_queue = DueQueue(cfg.deterministic.score_delay_steps)
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
@@ -268,6 +278,14 @@ class Actor:
         # This actor's claim: published + started and not yet published (none yet).
         self.streams.ledger.set(actor_id, self.published)
 
+    @staticmethod
+    def _merged_view(cfg: Config, actor_id: int, mirror: TrainerMirror) -> MergedView:
+        kept = superseded_after(resume_points(cfg.run_dir)) if cfg.attempt else {}
+        logs = {a: PublishedLog(cfg.run_dir, a, kept)
+                for a in range(cfg.actor.num_actors) if a != actor_id}
+        return MergedView(mirror, actor_id, cfg.actor.num_actors, cfg.deterministic.lag_groups,
+                          logs)
+
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_groups: int | None = None, resume: dict[str, Any] | None = None) -> None:
         """The loop until the trainer stops (or `max_groups` are published); `resume`: a
@@ -281,7 +299,7 @@ class Actor:
                 if self.mirror is not None:
                     self.maybe_snapshot()
                     self.publish_due_scores()
-                    if self.mirror.done():
+                    if self.view is not None and self.view.complete:
                         # No group is published past here: take what comes, as a broadcast
                         # channel needs (the trainer's final publish waits for every actor).
                         self.maybe_update_weights()
@@ -433,13 +451,15 @@ class Actor:
                 "rng": self.rng.getstate(), "task_position": getattr(self.task, "position", None),
                 "groups": dict(self._groups), "score_queue": self.score_queue.entries(),
                 "scored": dict(self._scored), "mirror": (self.mirror.usable, self.mirror.dropped),
+                "view": self.view.state(),
                 "stats": self.stats.counts(),
                 "env": None if self.rollouts is None else self.rollouts.stats.counts()}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a snapshot `state`: the weights of its version from the trainer (which
         publishes them on resuming from that step), then every counter and clock as it was."""
-        assert self.mirror is not None and self.score_queue is not None
+        assert self.mirror is not None and self.view is not None
+        assert self.score_queue is not None
         self._await_version(state["version"])
         self.published, self.restart = state["published"], state["restart"]
         self._next_group = state["next_group"]
@@ -449,6 +469,7 @@ class Actor:
         self._groups, self._scored = dict(state["groups"]), dict(state["scored"])
         self.score_queue.restore(state["score_queue"])
         self.mirror.usable, self.mirror.dropped = state["mirror"]
+        self.view.restore(state["view"])
         self.stats.restore_counts(state["stats"])
         if self.rollouts is not None:
             self.rollouts.stats.restore_counts(state["env"])
@@ -458,7 +479,11 @@ class Actor:
         """Deterministic mode, after each group published: load the version the trainer
         mirror says is now due, waiting for the trainer to publish it (or to stop). Right
         after the group that makes it due, so the trainer cannot have gone past it yet."""
-        assert self.mirror is not None
+        assert self.mirror is not None and self.view is not None
+        should_stop = self.streams.should_stop
+        if (not self.view.catch_up(self.published, should_stop)
+                or not self.view.trains(self.published + 1, should_stop)):
+            return  # stopped, or no later group of this actor trained: its weights don't matter
         due = self.mirror.version_due()
         if self.streams.receiver is None or due <= self.engine.version:
             return
@@ -493,9 +518,12 @@ class Actor:
         After a refusal, ask again only once the weights or the trainer's drops changed or
         0.1 s passed (another actor may have given a place back), not on every loop."""
         limit = self.schedule.limit(self.engine.version)
-        if self.mirror is not None:  # the drops the trainer will make, not those it said yet
-            return self.streams.ledger.claim(self.actor_id, self.claimed() + 1,
-                                             self.mirror.dropped, limit)
+        if self.mirror is not None:
+            # Its next group's place in the trainer's order, less the drops the mirror has
+            # seen there (those the trainer will make, not those it said yet): no other
+            # actor's timing counts.
+            place = self.claimed() * self.cfg.actor.num_actors + self.actor_id
+            return place - self.mirror.dropped < limit
         returned = self.streams.returned()
         refused = self._refused
         if refused is not None and refused[:2] == (limit, returned) and time.monotonic() - refused[2] < 0.1:
@@ -519,7 +547,7 @@ class Actor:
             self.in_flight += 1
 
     def fill(self) -> None:
-        if self.needs_weights or self.draining or (self.mirror is not None and self.mirror.done()):
+        if self.needs_weights or self.draining or (self.view is not None and self.view.complete):
             return
         long_in_a_row = 0
         while self._room_for_a_group() and self.claim_place():
@@ -657,7 +685,8 @@ class Actor:
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
             self._drop(pending, "zero_variance")
             return
-        if self.mirror is not None and self.mirror.done():
+        if self.view is not None and not self.view.trains(self.published + 1,
+                                                          self.streams.should_stop):
             # No step trains it, and whether it comes before the stop record is timing.
             return
         self.stats.groups_published += 1
@@ -674,8 +703,11 @@ class Actor:
         )
         self.streams.writer.write(group.to_dict())
         self._last_write = time.monotonic()
-        if self.mirror is not None:
-            self.mirror.add(group)
+        if self.view is not None:
+            oldest = oldest_version(group)
+            if self.published_log is not None:
+                self.published_log.append(self.cfg.attempt, self.published, oldest)
+            self.view.publish(self.published, oldest)
             self.land_due_weights()
 
 
@@ -759,13 +791,13 @@ def _snapshot_to_resume(cfg: Config, actor_id: int) -> dict[str, Any] | None:
     if not (cfg.deterministic.enabled and cfg.attempt):
         return None
     point = resume_point(cfg.run_dir, cfg.attempt)
-    if point.snapshot is None:
+    if point.snapshots is None:
         log.info("actor %d starts again from the run's start (no checkpoint with a snapshot)",
                  actor_id)
         return None
     log.info("actor %d continues from its snapshot of version %d after %d groups (%s)",
-             actor_id, point.step, point.seq, point.snapshot)
-    return read_snapshot(point.snapshot)
+             actor_id, point.step, point.seqs[actor_id], point.snapshots[actor_id])
+    return read_snapshot(point.snapshots[actor_id])
 
 
 def _check_actor_id(cfg: Config, actor_id: int) -> None:

@@ -206,12 +206,17 @@ def stale_bound(cfg: Config) -> int | None:
 
 
 def is_stale(group: Group, step: int, max_lag: int | None) -> bool:
-    """Whether the trainer at `step` drops `group` for its lag (None: no bound). Deterministic
-    mode's actor applies it too (pipelinerl.replay.TrainerMirror)."""
-    return max_lag is not None and step - _oldest_version(group) > max_lag
+    """Whether the trainer at `step` drops `group` for its lag (None: no bound)."""
+    return is_stale_version(oldest_version(group), step, max_lag)
 
 
-def _oldest_version(group: Group) -> int:
+def is_stale_version(oldest: int, step: int, max_lag: int | None) -> bool:
+    """`is_stale` of a group whose oldest token was made by weights of version `oldest`
+    (deterministic mode's actors apply it too: pipelinerl.replay.TrainerMirror)."""
+    return max_lag is not None and step - oldest > max_lag
+
+
+def oldest_version(group: Group) -> int:
     return min(min(s.model_versions()) for s in group.samples if s.token_ids)
 
 

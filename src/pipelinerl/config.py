@@ -417,18 +417,28 @@ class Config(_Section):
         every = self.conventional_g if self.mode == "conventional" else self.trainer.publish_every
         # Version v + every must not be trainable before the actor waits for v: else the
         # channel could hold a newer version than the one the logical clock asks for.
-        most = per_step * every - 1
+        # With A actors, an actor's next group can stand A - 1 groups past the point its
+        # clock last moved (pipelinerl.replay.MergedView).
+        actors = self.actor.num_actors
+        most = per_step * every - actors
         if self.mode == "conventional":
-            most = 0  # a round's groups are all admitted under one version: no group past it
+            most = min(most, 0)  # a round's groups are all admitted under one version
         else:  # the actor must be able to publish them under the staleness bound
             most = min(most, (self.actor.max_lag + 1 - every) * per_step)
+        if per_step * every < actors:
+            raise ValueError(
+                f"deterministic.enabled=true with actor.num_actors={actors}: each version must "
+                f"train at least one group of every actor, and it trains {per_step * every} "
+                f"(groups per step {per_step} x publish_every {every}); raise "
+                "trainer.batch_size or lower actor.num_actors")
         if self.deterministic.lag_groups > most:
             raise ValueError(
                 f"deterministic.lag_groups ({self.deterministic.lag_groups}) must be at most "
                 f"{most} here (groups per step {per_step}, publish_every {every}, actor.max_lag "
-                f"{self.actor.max_lag}, mode {self.mode}): past it the trainer could publish a "
-                "newer version before the actor asks for this one, or the staleness bound "
-                "would stop the actor before it publishes the groups it waits on")
+                f"{self.actor.max_lag}, mode {self.mode}, actor.num_actors {actors}): past it "
+                "the trainer could publish a newer version before an actor asks for this one, "
+                "or the staleness bound would stop an actor before it publishes the groups it "
+                "waits on")
 
     @property
     def run_dir(self) -> Path:
@@ -438,8 +448,9 @@ class Config(_Section):
 def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
     """(key, whether this config sets it, why) of the settings deterministic mode refuses."""
     return [
-        ("actor.num_actors", cfg.actor.num_actors > 1,
-         "several actors share places in the order their processes reach the ledger"),
+        ("sync.backend", cfg.sync.backend == "broadcast" and cfg.actor.num_actors > 1,
+         "with several actors, a broadcast transfer needs every actor while one may wait for "
+         "another's groups; use sync.backend=shm"),
         ("actor.max_restarts", cfg.actor.max_restarts > 0,
          "an actor is not restarted alone (the trainer may have trained its groups after its "
          "snapshot); set actor.max_restarts=0: a dead actor then ends the attempt, and "

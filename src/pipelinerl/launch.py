@@ -135,15 +135,19 @@ def prepare_resume(cfg: Config) -> Config:
 
 
 def choose_deterministic_resume(cfg: Config) -> None:
-    """Pair the trainer's newest checkpoint that has an actor snapshot with that snapshot and
-    record it for both roles, before either starts (docs/determinism.md)."""
+    """Pair the trainer's newest checkpoint that has every actor's snapshot with them and
+    record it for every role, before any starts (docs/determinism.md)."""
     from pipelinerl.replay import choose_resume_point, eval_schedule, record_resume_point  # torch
 
     due = eval_schedule(cfg)
-    point = choose_resume_point(cfg.run_dir, cfg.attempt, eval_due_at=due)
+    point = choose_resume_point(cfg.run_dir, cfg.attempt, cfg.actor.num_actors, due)
     record_resume_point(cfg.run_dir, point)
-    where = (f"step {point.step}'s checkpoint and the actor's snapshot after {point.seq} groups"
-             if point.snapshot else "the run's start (no checkpoint has an actor snapshot"
+    snapshots = ("the actor's snapshot after {} groups" if len(point.seqs) == 1 else
+                 "the actors' snapshots after {} groups")
+    where = (f"step {point.step}'s checkpoint and "
+             + snapshots.format(", ".join(map(str, point.seqs)))
+             if point.snapshots else "the run's start (no checkpoint has "
+             + ("an actor snapshot" if len(point.seqs) == 1 else "every actor's snapshot")
              + (" and every scheduled evaluation up to its step done)" if due else ")"))
     print(f"deterministic resume (attempt {cfg.attempt}) from {where}", file=sys.stderr)
 

@@ -14,10 +14,13 @@ happens at a point its own counters decide, so two runs of one config and seed d
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
+import json
 import os
 import pickle
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from pipelinerl.batches import is_stale, stale_bound
+from pipelinerl.batches import is_stale_version, stale_bound
 from pipelinerl.checkpoint import checkpoint_steps, complete_checkpoints, read_state
 from pipelinerl.config import Config
 from pipelinerl.records import append_row, read_rows
@@ -97,17 +100,15 @@ def weights_sha256(weights: Mapping[str, torch.Tensor]) -> str:
 
 
 class TrainerMirror:
-    """The trainer's reading of this actor's groups, replayed in the actor: it takes them in
-    publish order, drops those past `max_lag` (None: none) at the step it would train them,
-    and publishes every `publish_every` steps of `per_step` groups, `max_steps` of them.
-    Version v is due in the engine once `lag_groups` groups past the v * per_step usable ones
-    are published."""
+    """The trainer's reading of the run's published groups (in its order, `MergedView`),
+    replayed in an actor: it takes them in that order, drops those past `max_lag` (None: none)
+    at the step it would train them, and publishes every `publish_every` steps of `per_step`
+    groups, `max_steps` of them."""
 
     def __init__(self, per_step: int, max_lag: int | None, publish_every: int,
-                 lag_groups: int, max_steps: int) -> None:
+                 max_steps: int) -> None:
         self.per_step, self.max_lag = per_step, max_lag
-        self.publish_every, self.lag_groups = publish_every, lag_groups
-        self.max_steps = max_steps
+        self.publish_every, self.max_steps = publish_every, max_steps
         self.usable = 0  # groups the trainer will train
         self.dropped = 0  # groups it will drop, giving their places back
 
@@ -117,11 +118,11 @@ class TrainerMirror:
         return cls(per_step=cfg.trainer.batch_size // cfg.actor.group_size,
                    max_lag=stale_bound(cfg),
                    publish_every=cfg.conventional_g if conventional else cfg.trainer.publish_every,
-                   lag_groups=cfg.deterministic.lag_groups, max_steps=cfg.trainer.max_steps)
+                   max_steps=cfg.trainer.max_steps)
 
-    def add(self, group: Group) -> None:
-        """A group published, in stream order."""
-        if is_stale(group, self.usable // self.per_step, self.max_lag):
+    def add(self, oldest_version: int) -> None:
+        """The next group in the trainer's order, by the oldest weights version in it."""
+        if is_stale_version(oldest_version, self.usable // self.per_step, self.max_lag):
             self.dropped += 1
         else:
             self.usable += 1
@@ -131,9 +132,145 @@ class TrainerMirror:
         return self.usable >= self.max_steps * self.per_step
 
     def version_due(self) -> int:
-        """The newest version the actor must hold now."""
-        steps = max(self.usable - self.lag_groups, 0) // self.per_step
+        """The newest version the trainer can have published after the groups seen."""
+        steps = self.usable // self.per_step
         return steps - steps % self.publish_every
+
+
+def merged_position(actor_id: int, seq: int, num_actors: int) -> int:
+    """Where group `seq` (its actor's count, from 1) of `actor_id` stands in the trainer's
+    order of every actor's groups: round-robin by seq (`MergedReader`)."""
+    return (seq - 1) * num_actors + actor_id
+
+
+class MergedView:
+    """One actor's view of the trainer's order, fed to its `TrainerMirror`: group k of the run
+    is actor k mod A's (k // A + 1)-th. Once this actor has published n groups, the mirror has
+    seen every group before its next one but the last `lag_groups` (position n x A + actor_id
+    - lag_groups): the version due there is the one the actor holds until its next publish.
+    Other actors' groups are known by their `PublishedLog`s (their oldest weights version is
+    all the mirror needs); this actor waits on a log that is behind."""
+
+    def __init__(self, mirror: TrainerMirror, actor_id: int, num_actors: int, lag_groups: int,
+                 logs: Mapping[int, PublishedLog]) -> None:
+        self.mirror, self.actor_id, self.num_actors = mirror, actor_id, num_actors
+        self.lag_groups, self.logs = lag_groups, dict(logs)
+        self.position = 0  # groups of the trainer's order fed to the mirror
+        self.complete = False  # the trainer takes no more of this actor's groups (`trains`)
+        self.pending: dict[int, dict[int, int]] = {a: {} for a in range(num_actors)}
+
+    def publish(self, seq: int, oldest_version: int) -> None:
+        """This actor published its group `seq`."""
+        self.pending[self.actor_id][seq] = oldest_version
+
+    def catch_up(self, published: int, should_stop: Callable[[], bool]) -> bool:
+        """Feed the mirror up to this actor's point after `published` groups, waiting for the
+        other actors' logs; False if the trainer stopped meanwhile."""
+        target = max(published * self.num_actors + self.actor_id - self.lag_groups, 0)
+        while self.position < target:
+            oldest = self._oldest_at(self.position, should_stop)
+            if oldest is None:
+                return False
+            self.mirror.add(oldest)
+            del self.pending[self.position % self.num_actors][self._seq_at(self.position)]
+            self.position += 1
+        return True
+
+    def trains(self, seq: int, should_stop: Callable[[], bool]) -> bool:
+        """Whether the trainer takes this actor's group `seq` (trains or drops it): whether
+        it has fewer groups than its last step trains before it. Near the run's end this waits
+        for the other actors' groups before it. Once False, `complete`: no later group of
+        this actor is taken either, and the weights it holds no longer matter."""
+        position = merged_position(self.actor_id, seq, self.num_actors)
+        if self.complete or self.mirror.done():
+            self.complete = True
+        elif self.mirror.usable + position - self.position < self.mirror.max_steps * self.mirror.per_step:
+            return True
+        else:
+            mirror = copy.copy(self.mirror)
+            for before in range(self.position, position):
+                oldest = self._oldest_at(before, should_stop)
+                if oldest is None or mirror.done():
+                    break
+                mirror.add(oldest)
+            self.complete = mirror.done() or should_stop()
+        return not self.complete
+
+    def _seq_at(self, position: int) -> int:
+        return position // self.num_actors + 1
+
+    def _oldest_at(self, position: int, should_stop: Callable[[], bool]) -> int | None:
+        """The oldest version of the group at `position`, once its actor's log has it (None:
+        the trainer stopped first)."""
+        actor, seq = position % self.num_actors, self._seq_at(position)
+        while seq not in self.pending[actor]:
+            self._read(actor)
+            if seq in self.pending[actor]:
+                break
+            if should_stop():
+                return None
+            time.sleep(0.002)
+        return self.pending[actor][seq]
+
+    def _read(self, actor: int) -> None:
+        fed = -(-(self.position - actor) // self.num_actors)  # its groups fed: seqs 1..fed
+        for seq, oldest in self.logs[actor].new_rows():
+            if seq > fed:
+                self.pending[actor].setdefault(seq, oldest)  # a replay's copy is the same
+
+    def state(self) -> dict[str, Any]:
+        return {"position": self.position, "complete": self.complete,
+                "pending": {a: dict(p) for a, p in self.pending.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.position, self.complete = state["position"], state["complete"]
+        self.pending = {int(a): {int(s): v for s, v in p.items()}
+                        for a, p in state["pending"].items()}
+
+
+class PublishedLog:
+    """An actor's published groups, one row each (attempt, seq, oldest weights version), in
+    `replay/actor_<id>/published.jsonl`: what the other actors' `MergedView`s read. Rows a
+    later attempt superseded (`kept`) are left out by readers; a replayed group's row equals
+    its first copy."""
+
+    def __init__(self, run_dir: Path, actor_id: int,
+                 kept: Mapping[tuple[int, int], int] | None = None) -> None:
+        self.path = Path(run_dir) / REPLAY_DIR / f"actor_{actor_id}" / "published.jsonl"
+        self.actor_id, self.kept = actor_id, dict(kept or {})
+        self._offset = 0
+
+    def append(self, attempt: int, seq: int, oldest_version: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("ab") as f:
+            if f.tell() and not self._ends_in_newline():  # a crash cut the last row short
+                f.write(b"\n")
+            f.write(json.dumps({"attempt": attempt, "seq": seq,
+                                "oldest": oldest_version}).encode() + b"\n")
+
+    def _ends_in_newline(self) -> bool:
+        with self.path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def new_rows(self) -> list[tuple[int, int]]:
+        """(seq, oldest version) of the whole rows written since the last call."""
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        rows = []
+        for line in whole.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # cut short by a crash: its seq is written again
+                continue
+            if not is_superseded(row["attempt"], self.actor_id, row["seq"], self.kept):
+                rows.append((int(row["seq"]), int(row["oldest"])))
+        return rows
 
 
 class DueQueue:
@@ -216,43 +353,53 @@ def read_snapshot(path: Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ResumePoint:
     """Where attempt `attempt` resumes: the trainer from its checkpoint of `step` (None: the
-    starting model, step 0), the actor from its snapshot there (None: from its start), after
-    `seq` groups of its published history."""
+    starting model, step 0), each actor from its snapshot there (`snapshots`, by actor id;
+    None: from their start), after `seqs[actor_id]` groups of its published history."""
 
     attempt: int
     step: int
-    seq: int
+    seqs: tuple[int, ...]
     checkpoint: str | None
-    snapshot: str | None
+    snapshots: tuple[str, ...] | None
 
     @property
     def fresh(self) -> bool:
-        return self.snapshot is None
+        return self.snapshots is None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> ResumePoint:
+        if "seq" in row:  # written before several actors: one actor's
+            row = {**row, "seqs": [row.pop("seq")], "snapshots":
+                   None if row["snapshot"] is None else [row["snapshot"]]}
+            row.pop("snapshot")
+        snapshots = row["snapshots"]
+        return cls(row["attempt"], row["step"], tuple(row["seqs"]), row["checkpoint"],
+                   None if snapshots is None else tuple(snapshots))
 
 
-def choose_resume_point(run_dir: Path, attempt: int, actor_id: int = 0,
+def choose_resume_point(run_dir: Path, attempt: int, num_actors: int = 1,
                         eval_due_at: Callable[[int], bool] | None = None) -> ResumePoint:
-    """The newest checkpoint with the actor's snapshot at its step, else the run's start.
+    """The newest checkpoint with every actor's snapshot at its step, else the run's start.
     With evaluation (`eval_due_at`: whether a version past 0 is on its schedule), also every
     version of the schedule up to that step evaluated (`evaluated_versions`): a version the
     crashed evaluator held but had not evaluated yet is gone, and must be made again."""
-    paired = paired_checkpoint(run_dir, actor_id, eval_due_at)
+    paired = paired_checkpoint(run_dir, num_actors, eval_due_at)
     if paired is None:
-        return ResumePoint(attempt, 0, 0, None, None)
+        return ResumePoint(attempt, 0, (0,) * num_actors, None, None)
     step = read_state(paired)["step"]
-    snapshot = snapshot_path(run_dir, actor_id, step)
-    return ResumePoint(attempt, step, read_snapshot(snapshot)["published"], str(paired),
-                       str(snapshot))
+    snapshots = tuple(snapshot_path(run_dir, a, step) for a in range(num_actors))
+    return ResumePoint(attempt, step, tuple(read_snapshot(p)["published"] for p in snapshots),
+                       str(paired), tuple(map(str, snapshots)))
 
 
-def paired_checkpoint(run_dir: Path, actor_id: int = 0,
+def paired_checkpoint(run_dir: Path, num_actors: int = 1,
                       eval_due_at: Callable[[int], bool] | None = None) -> Path | None:
-    """The newest complete checkpoint whose step has a snapshot of the actor (and, with
+    """The newest complete checkpoint whose step has a snapshot of every actor (and, with
     `eval_due_at`, whose evaluations up to its step are all done)."""
     evaluated = evaluated_versions(run_dir) if eval_due_at is not None else set()
     for path in reversed(complete_checkpoints(run_dir)):
         step = read_state(path)["step"]
-        if not snapshot_path(run_dir, actor_id, step).exists():
+        if not all(snapshot_path(run_dir, a, step).exists() for a in range(num_actors)):
             continue
         if eval_due_at is None or all(v in evaluated for v in range(step + 1)
                                       if v == 0 or eval_due_at(v)):
@@ -284,7 +431,7 @@ def record_resume_point(run_dir: Path, point: ResumePoint) -> None:
 
 def resume_points(run_dir: Path) -> list[ResumePoint]:
     path = Path(run_dir) / REPLAY_DIR / RESUMES_FILE
-    return [ResumePoint(**row) for row in read_rows(path)] if path.exists() else []
+    return [ResumePoint.from_row(row) for row in read_rows(path)] if path.exists() else []
 
 
 def resume_point(run_dir: Path, attempt: int) -> ResumePoint:
@@ -298,37 +445,105 @@ def resume_point(run_dir: Path, attempt: int) -> ResumePoint:
     return found[-1]
 
 
-def superseded_after(points: list[ResumePoint]) -> dict[int, int]:
-    """Per earlier attempt, the published groups (seq) still in the run's history: those a
-    later resume's actor did not publish again (the lowest seq any later attempt resumed at)."""
+def superseded_after(points: list[ResumePoint]) -> dict[tuple[int, int], int]:
+    """Per earlier attempt and actor, the published groups (seq) still in the run's history:
+    those a later resume's actor did not publish again (the lowest seq any later attempt
+    resumed it at)."""
     attempts = {0, *(p.attempt for p in points)}
-    return {a: min(p.seq for p in points if p.attempt > a) for a in attempts
-            if any(p.attempt > a for p in points)}
+    actors = range(max((len(p.seqs) for p in points), default=0))
+    return {(a, actor): min(p.seqs[actor] for p in points if p.attempt > a)
+            for a in attempts if any(p.attempt > a for p in points) for actor in actors}
 
 
-def is_superseded(attempt: int, seq: int, kept: Mapping[int, int]) -> bool:
-    """Whether group `seq` (its actor's count) of `attempt` was published again by a later
-    attempt (`kept`: from `superseded_after`)."""
-    return attempt in kept and seq > kept[attempt]
+def is_superseded(attempt: int, actor_id: int, seq: int,
+                  kept: Mapping[tuple[int, int], int]) -> bool:
+    """Whether group `seq` (its actor's count) of `actor_id` in `attempt` was published again
+    by a later attempt (`kept`: from `superseded_after`)."""
+    return (attempt, actor_id) in kept and seq > kept[attempt, actor_id]
 
 
 class SupersededFilter:
     """A rollout reader that leaves out groups superseded by a later attempt (`kept`, from
     `superseded_after`): the trainer neither trains nor counts them."""
 
-    def __init__(self, reader: StreamReader, kept: Mapping[int, int]) -> None:
+    def __init__(self, reader: StreamReader, kept: Mapping[tuple[int, int], int]) -> None:
         self.reader, self.kept = reader, dict(kept)
 
     def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
         return [r for r in self.reader.read(max_count, timeout_s)
                 if r.get("heartbeat")
-                or not is_superseded(r.get("attempt", 0), int(r.get("seq", 0)), self.kept)]
+                or not is_superseded(r.get("attempt", 0), r.get("actor_id", 0),
+                                     int(r.get("seq", 0)), self.kept)]
 
     def offsets(self) -> dict[str, Any]:
         return self.reader.offsets()
 
     def trim(self, offsets: dict[str, Any]) -> int:
         return self.reader.trim(offsets)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class MergedReader:
+    """The trainer's rollout reader with several deterministic actors: it hands on their
+    groups in one order whatever their timing, round-robin by each actor's `seq` (actor 0's
+    first, actor 1's first, ..., actor 0's second, ...: `merged_position`), holding a group
+    until every one before it came. Heartbeats and records without an actor's seq pass at
+    once. Its offsets carry the groups held: a checkpoint's resume holds them again."""
+
+    def __init__(self, reader: StreamReader, num_actors: int,
+                 offsets: dict[str, Any] | None = None) -> None:
+        self.reader, self.num_actors = reader, num_actors
+        self.next = list(offsets["next"]) if offsets else [1] * num_actors
+        self.held: dict[tuple[int, int], dict[str, Any]] = {}
+        for record in offsets["held"] if offsets else ():
+            self.held[record["actor_id"], record["seq"]] = record
+
+    def read(self, max_count: int, timeout_s: float) -> list[dict[str, Any]]:
+        out = []
+        for record in self.reader.read(max_count, timeout_s):
+            actor, seq = record.get("actor_id"), record.get("seq")
+            if (record.get("heartbeat") or not isinstance(actor, int)
+                    or not isinstance(seq, int) or not 0 <= actor < self.num_actors):
+                out.append(record)  # the trainer counts or drops it as it comes
+            elif seq >= self.next[actor]:
+                self.held.setdefault((actor, seq), record)
+        while (head := self._head()) in self.held:
+            out.append(self.held.pop(head))
+            self.next[head[0]] += 1
+        return out
+
+    def _head(self) -> tuple[int, int]:
+        """(actor, seq) of the next group in the trainer's order."""
+        actor = min(range(self.num_actors), key=lambda a: (self.next[a], a))
+        return actor, self.next[actor]
+
+    def resume_at(self, seqs: list[int] | tuple[int, ...], buffered: list[Group],
+                  kept: Mapping[tuple[int, int], int]) -> list[Group]:
+        """A resumed run: each actor publishes again from its group seqs[actor] + 1. The
+        checkpoint's groups (`buffered`, read and not trained, in order) from the first of
+        those on are held again, with the copies `kept` leaves in the history, so the groups
+        published again take their places; returns those before it."""
+        first = min(merged_position(a, seq + 1, self.num_actors) for a, seq in enumerate(seqs))
+        again = {a: -(-(first - a) // self.num_actors) + 1 for a in range(self.num_actors)}
+        self.next = [min(n, again[a]) for a, n in enumerate(self.next)]
+        before = []
+        for group in buffered:
+            if merged_position(group.actor_id, group.seq, self.num_actors) < first:
+                before.append(group)
+            else:
+                self.held[group.actor_id, group.seq] = group.to_dict()
+        self.held = {key: r for key, r in self.held.items()
+                     if not is_superseded(r.get("attempt", 0), key[0], key[1], kept)}
+        return before
+
+    def offsets(self) -> dict[str, Any]:
+        return {"inner": self.reader.offsets(), "next": list(self.next),
+                "held": list(self.held.values())}
+
+    def trim(self, offsets: dict[str, Any]) -> int:
+        return self.reader.trim(offsets["inner"])
 
     def close(self) -> None:
         self.reader.close()

@@ -47,6 +47,7 @@ from pipelinerl.parallel import (
 from pipelinerl.process_group import call_to_publish, init_distributed, rank0_says, share_groups
 from pipelinerl.records import open_resumed, read_rows
 from pipelinerl.replay import (
+    MergedReader,
     SupersededFilter,
     eval_due,
     eval_schedule,
@@ -348,10 +349,13 @@ def open_channels(cfg: Config, offsets: dict | None, metrics: MetricsLogger | No
     """Rank 0's channels: the rollouts (read from the checkpoint's `offsets`), the weights, the
     control stream (places given back) and the evaluator's results (logged into `metrics`)."""
     control = open_control_writer(cfg)
-    reader = open_rollout_reader(cfg, offsets)
+    merged = cfg.deterministic.enabled and cfg.actor.num_actors > 1
+    reader = open_rollout_reader(cfg, offsets["inner"] if merged and offsets else offsets)
     if cfg.deterministic.enabled and cfg.attempt:
         # Groups that a resumed actor published again: only the later copies count.
         reader = SupersededFilter(reader, superseded_after(resume_points(cfg.run_dir)))
+    if merged:  # the actors' groups in one order, whatever their timing
+        reader = MergedReader(reader, cfg.actor.num_actors, offsets)
     source = BatchSource(reader, cfg.actor.group_size,
                          stale_bound(cfg), cfg.trainer.sample_timeout_s,
                          announce=functools.partial(write_returned, control, cfg),
@@ -421,7 +425,8 @@ class Trainer:
         state = self.checkpoint_state()
         # Deterministic mode resumes only from a checkpoint the actor has a snapshot for (and
         # whose evaluations are done): the newest such one is kept, and the stream it reads from.
-        paired = (paired_checkpoint(self.cfg.run_dir, eval_due_at=eval_schedule(self.cfg))
+        paired = (paired_checkpoint(self.cfg.run_dir, self.cfg.actor.num_actors,
+                                    eval_schedule(self.cfg))
                   if self.cfg.deterministic.enabled else None)
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
                                self.scheduler, state, self.cfg.trainer.checkpoint_keep,
@@ -464,7 +469,11 @@ class Trainer:
                 # resumed actor publishes again replaces its earlier copy (SupersededFilter).
                 kept = superseded_after(resume_points(self.cfg.run_dir))
                 self.source.buffer = [g for g in self.source.buffer
-                                      if not is_superseded(g.attempt, g.seq, kept)]
+                                      if not is_superseded(g.attempt, g.actor_id, g.seq, kept)]
+                if isinstance(self.source.reader, MergedReader):
+                    point = resume_point(self.cfg.run_dir, self.cfg.attempt)
+                    self.source.buffer = self.source.reader.resume_at(
+                        point.seqs, self.source.buffer, kept)
             else:
                 self.source.valid_upto = valid_upto(resumes)
 
