@@ -7,7 +7,8 @@ number of optimizer steps with held-out pass@1 every `--eval-every` steps:
 - deterministic at several `deterministic.lag_groups` (how far the actor generates ahead of
   the newest weights), twice each: the same, and the check that the two runs are identical
   (final weights hash, every metric but the wall-clock ones), so their spread is zero;
-- conventional RL (lag 0: generate a batch, train on it) in deterministic mode, twice.
+- conventional RL (lag 0: generate a batch, train on it) in deterministic mode, twice;
+- two actors, free-running and deterministic, twice each.
 
 Each run's config, metrics and weights hash are kept in benchmarks/determinism/ as it ends;
 the `determinism` section of RESULTS.md and benchmarks/determinism.png are rebuilt from every
@@ -56,11 +57,16 @@ MODES = {
     "deterministic, lag_groups=7": [*DETERMINISTIC, "deterministic.lag_groups=7"],
     "conventional (lag 0), deterministic": [*DETERMINISTIC, "mode=conventional",
                                             "conventional_g=1", "deterministic.lag_groups=0"],
+    # Two actors (each its share of the cores): lag_groups up to K - A = 6.
+    "free-running, 2 actors": ["actor.num_actors=2"],
+    "deterministic, 2 actors, lag_groups=6": [*DETERMINISTIC, "actor.num_actors=2",
+                                              "deterministic.lag_groups=6"],
 }
 QUICK = ["warmstart.steps=20", "trainer.batch_size=16", "actor.group_size=4",
          "engine.capacity=16", "eval.num_problems=8", "actor.max_lag=2"]
 QUICK_LAGS = {"deterministic.lag_groups=3": "deterministic.lag_groups=2",
-              "deterministic.lag_groups=7": "deterministic.lag_groups=3"}
+              "deterministic.lag_groups=7": "deterministic.lag_groups=3",
+              "deterministic.lag_groups=6": "deterministic.lag_groups=2"}
 
 
 def stem(mode: str, repeat: str) -> str:
