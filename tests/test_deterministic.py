@@ -142,11 +142,14 @@ def test_two_runs_of_one_config_replay_bit_for_bit(tmp_path, warm_cache):
                               for r in trained)
 
 
-def test_two_actors_replay_whatever_order_their_groups_reach_the_stream(tmp_path, warm_cache):
-    # Each actor's groups reach the shared stream when its timing says; the trainer takes them
+def test_two_actors_replay_whatever_order_their_groups_reach_the_stream(
+        tmp_path, warm_cache, redis_server):
+    # Each actor's groups reach the stream when its timing says; the trainer takes them
     # round-robin by seq, and each actor's clock follows the trainer through the other's log.
-    first, second = (_run(tmp_path, warm_cache, name, "actor.num_actors=2")
-                     for name in ("first", "second"))
+    # One run through the local stream, one through redis: the same run.
+    first = _run(tmp_path, warm_cache, "first", "actor.num_actors=2")
+    second = _run(tmp_path, warm_cache, "second", "actor.num_actors=2", "stream.backend=redis",
+                  f"stream.redis_url={redis_server.url}")
     by_actor = lambda cfg: sorted(_rollouts(cfg), key=lambda g: (g["actor_id"], g["seq"]))  # noqa: E731
     assert by_actor(first) == by_actor(second)
     groups = _assert_replayed(first, second, in_stream_order=False)

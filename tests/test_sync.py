@@ -1185,3 +1185,32 @@ def test_an_unsharded_trainer_publishes_in_the_engine_dtype(engine_dtype: str) -
     assert {t.dtype for t in master.values()} == {torch.float32}
     for slot, t in zip(layout.slots, tensors, strict=True):
         assert torch.equal(t, master[slot.names[0]].to(dtype)), slot.names
+
+
+def test_shm_poll_never_offers_a_version_whose_write_began_between_its_reads(monkeypatch) -> None:
+    # The writer makes seq odd, then sets the version, then copies the data: a poll that read
+    # the old even seq and then the new version would offer weights not written yet (a
+    # deterministic actor then waited for that version and loaded the old one).
+    run_id = _run_id()
+    sender = ShmWeightSender(run_id)
+    receiver = ShmWeightReceiver(run_id, timeout_s=5)
+    try:
+        sender.publish(_weights(1), 1)
+        sender.settle()
+        real_fence, writes = shm_mod._fence, []
+
+        def writer_starts_between_the_reads() -> None:
+            real_fence()
+            if not writes:  # right after poll read the even seq: version 2's write begins
+                header = sender._header
+                header[shm_mod._SEQ_I] += 1
+                header[shm_mod._VERSION_I] = 2
+                writes.append(2)
+
+        monkeypatch.setattr(shm_mod, "_fence", writer_starts_between_the_reads)
+        assert receiver.poll() is None and writes == [2]
+        monkeypatch.setattr(shm_mod, "_fence", real_fence)
+        assert receiver.poll() is None  # still being written
+    finally:
+        receiver.close()
+        sender.close()

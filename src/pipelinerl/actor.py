@@ -496,18 +496,22 @@ class Actor:
         receiver = self.streams.receiver
         assert receiver is not None
         t0 = time.monotonic()
-        while (available := receiver.poll()) != version:
+        while self.engine.version != version:
+            available = receiver.poll()
             if available is not None and available > version:
                 raise RuntimeError(f"the trainer published version {available} while the actor "
                                    f"waited for {version}: deterministic mode's schedule is "
                                    "broken")
+            if available == version:
+                self.maybe_update_weights()  # loads nothing if a write began meanwhile
+                if self.engine.version > version:
+                    raise RuntimeError(f"loaded version {self.engine.version}, expected "
+                                       f"{version}")
+                continue
             if self.streams.should_stop():
                 return
             time.sleep(0.002)
         self.stats.idle_s += time.monotonic() - t0
-        self.maybe_update_weights()
-        if self.engine.version != version:
-            raise RuntimeError(f"loaded version {self.engine.version}, expected {version}")
 
     def claimed(self) -> int:
         """This actor's places (see pipelinerl.admission)."""

@@ -403,7 +403,13 @@ class ShmWeightReceiver:
         seq = int(self._header[_SEQ_I])
         if seq == 0 or seq % 2:  # nothing published yet, or a write in progress
             return None
+        _fence()  # the version load after the seq load
         version = int(self._header[_VERSION_I])
+        _fence()
+        if int(self._header[_SEQ_I]) != seq:
+            # A write began after the seq load: the version may be the one being written,
+            # its weights not there yet.
+            return None
         if self.last_version is not None and version <= self.last_version:
             return None
         return version
