@@ -182,10 +182,11 @@ class MergedView:
         for the other actors' groups before it. Once False, `complete`: no later group of
         this actor is taken either, and the weights it holds no longer matter."""
         position = merged_position(self.actor_id, seq, self.num_actors)
+        needed = self.mirror.max_steps * self.mirror.per_step
         if self.complete or self.mirror.done():
             self.complete = True
-        elif self.mirror.usable + position - self.position < self.mirror.max_steps * self.mirror.per_step:
-            return True
+        elif self.mirror.usable + position - self.position < needed:
+            return True  # even if every group before it not seen yet is usable
         else:
             mirror = copy.copy(self.mirror)
             for before in range(self.position, position):
