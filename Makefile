@@ -38,6 +38,7 @@ browser:
 # The sandbox (pipelinerl.sandbox) runs programs under bubblewrap (Debian's package).
 sandbox:
 	@command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap)
+	@command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)  # network namespaces
 
 # The Redis tests need a real redis-server binary; install it if missing (Debian/Ubuntu).
 redis:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from netns import _check_can_make_namespaces
 from pipelinerl.sync.netaddr import choose_interface, interface_addresses, route_interface
 
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -74,10 +75,7 @@ def _ip(*args: str) -> None:
 
 @pytest.fixture
 def netns_pair() -> Iterator[_Pair]:
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's `ip` to make network namespaces")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make network namespaces")
+    _check_can_make_namespaces()
     tag = uuid.uuid4().hex[:6]
     x = random.randint(1, 254)  # a subnet of its own per test: concurrent runs do not clash
     pair = _Pair(f"plt-{tag}-a", f"plt-{tag}-b", f"plv{tag}a", f"plv{tag}b",
