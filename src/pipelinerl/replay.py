@@ -240,15 +240,12 @@ class PublishedLog:
         self.path = Path(run_dir) / REPLAY_DIR / f"actor_{actor_id}" / "published.jsonl"
         self.actor_id, self.kept = actor_id, dict(kept or {})
         self._offset = 0
-        self._mended = False  # whether this process has ended a row a crash cut short
 
     def append(self, attempt: int, seq: int, oldest_version: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as f:
-            if not self._mended:  # only an earlier process can have been cut short
-                if f.tell() and not self._ends_in_newline():
-                    f.write(b"\n")
-                self._mended = True
+            if f.tell() and not self._ends_in_newline():  # a crash cut the last row short
+                f.write(b"\n")
             f.write(json.dumps({"attempt": attempt, "seq": seq,
                                 "oldest": oldest_version}).encode() + b"\n")
 
