@@ -4,6 +4,7 @@ how it ended, so a user can see what the limits do to their own code."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING
@@ -55,6 +56,17 @@ def format_result(result: Result, limits: Limits) -> str:
              f"exit code: {result.exit_code if result.exit_code is not None else '-'}",
              f"seconds:   {result.seconds:.3f}",
              f"limits:    {limit_text}",
-             "--- stdout ---", result.stdout.rstrip("\n"),
-             "--- stderr ---", result.stderr.rstrip("\n")]
+             "--- stdout ---", escape_controls(result.stdout.rstrip("\n")),
+             "--- stderr ---", escape_controls(result.stderr.rstrip("\n"))]
     return "\n".join(lines)
+
+
+# Control characters but newline and tab, and the bidirectional overrides: what a program
+# could print to rewrite the lines above it on a person's terminal (`status: ok`).
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                       "\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with each control character shown as its escape (`\\x1b`, `\\u202e`)."""
+    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)

@@ -3,24 +3,28 @@
 The program sees a read-only /usr (and /lib*, the interpreter's prefix), its own /proc, a
 minimal read-only /dev, and one writable tmpfs scratch directory (its cwd, HOME and TMPDIR)
 that vanishes with it. It runs in its own PID, network (loopback only), IPC, UTS and mount
-namespaces, as uid/gid 65534 with no capabilities, in a clean environment. Its limits are
-set by util-linux's `prlimit` inside the sandbox, after its user namespace exists, so the
-process count (RLIMIT_NPROC, counted per uid *per user namespace* since Linux 5.14) is this
-sandbox's own and not shared with concurrent ones. docs/code.md.
+namespaces, as uid/gid 65534 with no capabilities, in a clean environment, under an empty
+session keyring of its own. A root caller gives each concurrent sandbox a host uid of its own
+(`UidSlots`), so that what the kernel counts per uid (processes, inotify instances, keys,
+queued signals) is not shared between sandboxes. Every resource limit is set explicitly by
+util-linux's `prlimit` inside the sandbox, after its user namespace exists. docs/code.md.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import math
 import os
 import re
+import resource
 import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -30,11 +34,23 @@ from typing import BinaryIO, Literal
 Isolation = Literal["full", "weak"]
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
 
-SANDBOX_UID = 65534  # "nobody": owns nothing on the host
+SANDBOX_UID = 65534  # "nobody", the uid a program sees; a caller that is not root maps it
+# A root caller runs each concurrent sandbox as host uid UID_BASE + slot (UidSlots): below
+# 2^31 and systemd's "foreign" range, above every range Debian or systemd hands out.
+UID_BASE = 2_147_000_000
+UID_SLOTS = 4096
 SCRATCH = "/scratch"
 PROGRAM_DIR = "/program"
+# A Python program's str hashes (set order, dict order of hashed keys) are the same in every
+# run: `-I` would ignore PYTHONHASHSEED, so the flags are its parts but -E (the environment is
+# the sandbox's own, cleared: nothing of the caller's is read).
+PYTHON_FLAGS = ["-s", "-S", "-P", "-X", "utf8"]
+HASH_SEED = "0"
 _SIGNALLED = 128  # bwrap (and a shell) report death by signal N as exit code 128 + N
 _GRACE_S = 2.0  # after the deadline, for the kill to land and the pipes to close
+# keyctl(2)'s syscall number, where known: without it the caller's session keyring is shared.
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 class SandboxUnavailable(RuntimeError):
@@ -53,10 +69,11 @@ class Limits:
     max_file_mb: int = 16
     max_output_kb: int = 1024
     scratch_mb: int = 64
+    scratch_files: int = 10_000
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "memory_mb", "max_procs", "max_files", "max_file_mb",
-                     "max_output_kb", "scratch_mb"):
+                     "max_output_kb", "scratch_mb", "scratch_files"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive number, got {value!r}")
@@ -67,6 +84,49 @@ class Limits:
     @property
     def cpu_limit_s(self) -> int:
         return math.ceil(self.cpu_seconds if self.cpu_seconds is not None else self.timeout_s)
+
+
+def rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
+    """Every resource limit a program runs under (soft, hard), by `prlimit`'s option name: all
+    sixteen, so nothing is inherited from whoever started the sandbox. None is above this
+    process's own hard limit (a limit cannot be raised without privilege)."""
+    cpu = limits.cpu_limit_s
+    memory = limits.memory_mb << 20
+    wanted = {
+        "cpu": (cpu, cpu + 1),  # soft: SIGXCPU; hard, a second later: SIGKILL
+        "fsize": (limits.max_file_mb << 20,) * 2,
+        "data": (memory,) * 2,
+        "stack": (8 << 20,) * 2,
+        "core": (0, 0),
+        "rss": (resource.RLIM_INFINITY,) * 2,  # not enforced by Linux; set so it is not inherited
+        "nproc": (limits.max_procs,) * 2,
+        "nofile": (limits.max_files,) * 2,
+        "memlock": (64 << 10,) * 2,
+        "as": (memory,) * 2,
+        "locks": (limits.max_files,) * 2,
+        "sigpending": (256,) * 2,
+        "msgqueue": (0, 0),  # no POSIX message queues: they would outlive the program
+        "nice": (0, 0),
+        "rtprio": (0, 0),
+        "rttime": (cpu * 1_000_000,) * 2,
+    }
+    return {name: _within_hard(RLIMIT_NUMBERS[name], soft, hard)
+            for name, (soft, hard) in wanted.items()}
+
+
+# Linux's resource numbers (asm-generic/resource.h), by prlimit's option name.
+RLIMIT_NUMBERS = {"cpu": 0, "fsize": 1, "data": 2, "stack": 3, "core": 4, "rss": 5, "nproc": 6,
+                  "nofile": 7, "memlock": 8, "as": 9, "locks": 10, "sigpending": 11,
+                  "msgqueue": 12, "nice": 13, "rtprio": 14, "rttime": 15}
+
+
+def _within_hard(number: int, soft: int, hard: int) -> tuple[int, int]:
+    _own_soft, own_hard = resource.getrlimit(number)
+    if own_hard == resource.RLIM_INFINITY:
+        return soft, hard
+    capped_hard = own_hard if hard == resource.RLIM_INFINITY else min(hard, own_hard)
+    capped_soft = capped_hard if soft == resource.RLIM_INFINITY else min(soft, capped_hard)
+    return capped_soft, capped_hard
 
 
 @dataclass(frozen=True)
@@ -87,10 +147,11 @@ class Result:
 
 def run_python(source: str, *, stdin: str | bytes = b"", limits: Limits = Limits(),
                isolation: Isolation = "full", filename: str = "main.py") -> Result:
-    """Run Python `source` under this machine's interpreter (`-I -S`: isolated, standard
-    library only) in the sandbox, as /program/`filename` (the name its tracebacks show)."""
+    """Run Python `source` under this machine's interpreter (`-s -S -P`: isolated, standard
+    library only, a fixed hash seed) in the sandbox, as /program/`filename` (the name its
+    tracebacks show)."""
     program = _program_path(filename)
-    argv = [_interpreter(), "-I", "-S", "-X", "utf8", program]
+    argv = [_interpreter(), *PYTHON_FLAGS, program]
     return _run(argv, {program: (source.encode(), 0o444)}, stdin, limits, isolation)
 
 
@@ -148,6 +209,11 @@ def _full_isolation_problem() -> str:
             return f"{tool!r} is not on PATH"
     trial = subprocess.run(_bwrap_argv({}) + ["/bin/true"], capture_output=True, text=True,
                            timeout=30)
+    if os.getuid() == 0:
+        try:
+            release_uid(acquire_uid())
+        except OSError as error:
+            return f"no sandbox uid could be held in {UID_SLOTS_DIR} ({error})"
     if trial.returncode != 0:
         return (f"bubblewrap failed ({trial.stderr.strip() or trial.returncode}); user "
                 f"namespaces may be off (sysctl user.max_user_namespaces, "
@@ -204,17 +270,22 @@ def _parents_traversable(path: str) -> list[str]:
 
 
 def _sandbox_argv(argv: list[str], program_fds: dict[str, tuple[int, int]],
-                  limits: Limits, apply_limits: bool = True) -> list[str]:
-    """The whole command; `apply_limits` False leaves the limits (but the scratch size) to
-    the command itself (the fork server sets each program's)."""
+                  limits: Limits, uid: int | None, apply_limits: bool = True,
+                  as_pid_1: bool = False) -> list[str]:
+    """The whole command. `uid`: the host uid a root caller runs the program as (None for a
+    caller that is not root: bubblewrap maps 65534 to the caller). `apply_limits` False
+    leaves the limits (but the scratch size) to the command itself (the fork server sets
+    each program's); `as_pid_1` makes the command pid 1 of the sandbox (the fork server)."""
     scratch_bytes = limits.scratch_mb << 20
-    full = _bwrap_argv(program_fds) + [
+    full = _bwrap_argv(program_fds) + (["--as-pid-1"] if as_pid_1 else []) + [
         "--perms", "0777", "--size", str(scratch_bytes), "--tmpfs", SCRATCH,
         "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
     for key, value in _environment().items():
         full += ["--setenv", key, value]
     if os.getuid() == 0:
-        full += ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
+        if uid is None:
+            raise ValueError("a root caller runs each sandbox as a uid of its own (UidSlots)")
+        full += ["setpriv", f"--reuid={uid}", f"--regid={uid}",
                  "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
                  "unshare", "--user", "--"]
     return full + (_prlimit_argv(limits) if apply_limits else []) + argv
@@ -222,16 +293,105 @@ def _sandbox_argv(argv: list[str], program_fds: dict[str, tuple[int, int]],
 
 def _environment() -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": SCRATCH,
-            "LANG": "C.UTF-8"}
+            "LANG": "C.UTF-8", "PYTHONHASHSEED": HASH_SEED}
 
 
 def _prlimit_argv(limits: Limits) -> list[str]:
-    cpu = limits.cpu_limit_s
-    memory = limits.memory_mb << 20
-    file_size = limits.max_file_mb << 20
-    # The soft CPU limit sends SIGXCPU; the hard one, a second later, SIGKILL.
-    return ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--nproc={limits.max_procs}",
-            f"--nofile={limits.max_files}", f"--fsize={file_size}", "--core=0", "--"]
+    return ["prlimit", *(f"--{name}={soft}:{hard}" for name, (soft, hard)
+                         in rlimits(limits).items()), "--"]
+
+
+class UidSlots:
+    """Host uids for a root caller's sandboxes, one per sandbox alive at a time on the
+    machine: slot k is uid UID_BASE + k, held by an flock on a file of its own (so that other
+    processes' sandboxes take other slots), and reused within this process once freed."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._free: list[int] = []
+        self._held: dict[int, int] = {}  # slot -> its lock file's descriptor
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self._lock:
+            if self._free:
+                return UID_BASE + self._free.pop()
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            for slot in range(UID_SLOTS):
+                if slot in self._held:
+                    continue
+                fd = os.open(os.path.join(self.directory, f"{slot}.lock"),
+                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self._held[slot] = fd
+                return UID_BASE + slot
+        raise SandboxUnavailable(f"all {UID_SLOTS} sandbox uids are in use "
+                                 f"(locks in {self.directory})")
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            self._free.append(uid - UID_BASE)
+
+
+UID_SLOTS_DIR = "/run/pipelinerl-sandbox-uids"
+_uid_slots = UidSlots(UID_SLOTS_DIR)
+
+
+def acquire_uid() -> int | None:
+    """A host uid for one sandbox (None for a caller that is not root: it has only its own)."""
+    return _uid_slots.acquire() if os.getuid() == 0 else None
+
+
+def release_uid(uid: int | None) -> None:
+    if uid is not None:
+        _uid_slots.release(uid)
+
+
+class Spawned:
+    """A sandbox's bubblewrap, started from a thread of its own that first joined a new,
+    empty session keyring: the sandbox inherits that one, not the caller's (which holds
+    whatever an ssh login or a systemd service put there; a session keyring belongs to a
+    thread, so the caller's own is untouched). bubblewrap dies with the thread that started
+    it (--die-with-parent), so that thread lives until `release()` or until the thread that
+    asked for the sandbox ends."""
+
+    def __init__(self, argv: list[str], **popen_kwargs) -> None:
+        owner = threading.current_thread()
+        self._released = threading.Event()
+        started = threading.Event()
+        outcome: dict[str, object] = {}
+
+        def spawn() -> None:
+            try:
+                _join_new_session_keyring()
+                outcome["proc"] = subprocess.Popen(argv, **popen_kwargs)
+            except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+                outcome["error"] = error
+            started.set()
+            while not self._released.wait(0.5) and owner.is_alive():
+                pass
+
+        threading.Thread(target=spawn, name="sandbox-spawn", daemon=True).start()
+        started.wait()
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        self.proc: subprocess.Popen = outcome["proc"]  # type: ignore[assignment]
+
+    def release(self) -> None:
+        """The sandbox is over (or being killed): its thread may end."""
+        self._released.set()
+
+
+def _join_new_session_keyring() -> None:
+    if KEYCTL is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        raise OSError(ctypes.get_errno(), "keyctl(JOIN_SESSION_KEYRING) failed")
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -258,8 +418,13 @@ def _run(argv: list[str], programs: dict[str, tuple[bytes, int]], stdin: str | b
     fds = {dest: (_memfd("program", data), mode) for dest, (data, mode) in programs.items()}
     try:
         if isolation == "full":
-            return _execute(_sandbox_argv(argv, fds, limits), stdin_fd,
-                            [fd for fd, _mode in fds.values()], limits, cwd=None, weak=False)
+            uid = acquire_uid()
+            try:
+                return _execute(_sandbox_argv(argv, fds, limits, uid), stdin_fd,
+                                [fd for fd, _mode in fds.values()], limits, cwd=None,
+                                weak=False)
+            finally:
+                release_uid(uid)
         with tempfile.TemporaryDirectory(prefix="pipelinerl-sandbox-") as scratch:
             weak_argv = _weak_argv(argv, programs, scratch, limits)
             return _execute(weak_argv, stdin_fd, [], limits, cwd=scratch, weak=True)
@@ -284,13 +449,19 @@ def _weak_argv(argv: list[str], programs: dict[str, tuple[bytes, int]], scratch:
 def _execute(argv: list[str], stdin_fd: int, pass_fds: list[int], limits: Limits,
              cwd: str | None, weak: bool) -> Result:
     start = time.monotonic()
+    deadline = start + limits.timeout_s
     env = dict(_environment(), HOME=cwd, TMPDIR=cwd) if weak else {}
-    proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            pass_fds=pass_fds, cwd=cwd, env=env, start_new_session=True)
+    spawned = Spawned(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      pass_fds=pass_fds, cwd=cwd, env=env, start_new_session=True)
+    proc = spawned.proc
     cap = limits.max_output_kb << 10
     try:
-        out, err, over, timed_out = _read_capped(proc.stdout, proc.stderr, cap,
-                                                 start + limits.timeout_s)
+        out, err, over, timed_out = _read_capped(proc.stdout, proc.stderr, cap, deadline)
+        if not (over or timed_out):
+            try:  # a program that closed its stdout and stderr still ends at the deadline
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
         if over or timed_out:
             _kill(proc, weak)
         try:
@@ -303,10 +474,12 @@ def _execute(argv: list[str], stdin_fd: int, pass_fds: list[int], limits: Limits
             _kill(proc, weak)  # whatever the program left in its session
         proc.stdout.close()
         proc.stderr.close()
+        spawned.release()
     seconds = time.monotonic() - start
     stdout = out[:cap].decode(errors="replace")
     stderr = err[:cap].decode(errors="replace")
-    return _result(code, stdout, stderr, seconds, over, timed_out)
+    exit_code, signum = _from_exit_code(code)
+    return result(exit_code, signum, stdout, stderr, seconds, over, timed_out)
 
 
 def _read_capped(stdout: BinaryIO, stderr: BinaryIO, cap: int, deadline: float
@@ -346,11 +519,20 @@ def _kill(proc: subprocess.Popen, weak: bool) -> None:
         pass
 
 
-def _result(code: int, stdout: str, stderr: str, seconds: float, over: bool,
-            timed_out: bool) -> Result:
-    signum = -code if code < 0 else (code - _SIGNALLED if _SIGNALLED < code < _SIGNALLED + 65
-                                     else None)
-    exit_code = None if code < 0 else code
+def _from_exit_code(code: int) -> tuple[int | None, int | None]:
+    """(exit code, signal) from a Popen return code: negative for a signal; bubblewrap (and a
+    shell) report a signal N of their child as 128 + N, so a program's own exit codes 129-192
+    read as signals here (the fork server has the real wait status)."""
+    if code < 0:
+        return None, -code
+    if _SIGNALLED < code < _SIGNALLED + 65:
+        return code, code - _SIGNALLED
+    return code, None
+
+
+def result(exit_code: int | None, signum: int | None, stdout: str, stderr: str,
+           seconds: float, over: bool, timed_out: bool) -> Result:
+    """A Result from how the program ended: one rule for every path (status: `_status`)."""
     status = _status(exit_code, signum, stderr, over, timed_out)
     return Result(status, exit_code, signum, stdout, stderr, round(seconds, 4))
 
