@@ -91,6 +91,17 @@ def test_runner_reports_each_assert_pass_fail_error_and_timeout():
     assert verdicts == ["pass", "fail", "error:TypeError", "timeout", "pass"]
 
 
+def test_cpu_time_limits_count_work_not_waiting():
+    """time_clock=cpu (deterministic mode): a test's limit counts the process's CPU seconds,
+    so a test that waits 0.5 s passes a 0.3 s limit and one that computes does not."""
+    tests = {"kind": "asserts", "setup": "", "tests": [
+        "import time\ntime.sleep(0.5)\nassert add_3(1) == 4", "while True: pass"]}
+    runner = runner_program(tests, ADD_3, time_limit_s=0.3, clock="cpu")
+    assert read_verdicts(_run_plain(runner.source), runner) == ("ok", ["pass", "timeout"])
+    wall = runner_program(tests, ADD_3, time_limit_s=0.3)
+    assert read_verdicts(_run_plain(wall.source), wall)[1] == ["timeout", "timeout"]
+
+
 def test_runner_reports_a_program_that_raises_and_one_that_exits_early():
     tests = {"kind": "asserts", "setup": "", "tests": ["assert f() == 1"]}
     runner = runner_program(tests, "raise ValueError('no')", time_limit_s=1)
@@ -147,6 +158,7 @@ def test_procedural_task_holds_problems_out_by_id():
     ({"extract": "first"}, "extract must be one of"),
     ({"time_limit_s": 0}, "time_limit_s"),
     ({"path": "x.jsonl", "families": ["add"]}, "either path"),
+    ({"time_clock": "sundial"}, "time_clock must be one of"),
 ])
 def test_bad_params_are_refused_at_start_naming_them(params, message):
     with pytest.raises(ValueError, match=message):
@@ -171,9 +183,10 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
     ("```python\nimport sys\nsys.exit(3)\n```", "runtime_error", 0.0, 0.0),
     ("```python\nx = bytearray(2**33)\n```", "memory", 0.0, 0.0),
 ])
-def test_procedural_problem_scored_in_the_sandbox(completion, outcome, reward, fraction):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_procedural_problem_scored_in_the_sandbox(completion, outcome, reward, fraction, clock):
     problem = make_problem(FAMILIES[0], 3)  # add_3
-    task = make_task("code", {"time_limit_s": 0.5, "memory_mb": 256})
+    task = make_task("code", {"time_limit_s": 0.5, "memory_mb": 256, "time_clock": clock})
     score = task.score(problem, completion)
     assert (score.outcome, score.reward, score.success) == (outcome, reward, reward == 1.0)
     partial = make_task("code", {"time_limit_s": 0.5, "memory_mb": 256, "reward": "fraction"})

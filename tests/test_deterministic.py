@@ -651,6 +651,8 @@ def test_deterministic_checkpoints_fall_on_multiples_of_every_steps():
     ("trainer.max_time_s=60", "trainer.max_time_s"),
     ("eval.enabled=true", "eval.every_s"),
     ("deterministic.lag_groups=8", "deterministic.lag_groups"),
+    ("task.name=code", "task.params.time_clock"),
+    ("task.name=code_tool", "task.params.time_clock"),
 ])
 def test_settings_not_yet_replayed_are_refused_naming_their_key(override, key):
     base = ["deterministic.enabled=true", "actor.max_restarts=0", "trainer.batch_size=16",
@@ -658,6 +660,12 @@ def test_settings_not_yet_replayed_are_refused_naming_their_key(override, key):
     with pytest.raises(ConfigError, match=f"deterministic.enabled=true with {key}|{key} "):
         load_config(None, [*base, override])
     load_config(None, [*base[1:], override] if key != "deterministic.lag_groups" else base)
+
+
+def test_code_with_cpu_time_limits_is_accepted():
+    cfg = load_config(None, ["deterministic.enabled=true", "actor.max_restarts=0",
+                             "task.name=code", "task.params.time_clock=cpu"])
+    assert cfg.task.params["time_clock"] == "cpu"
 
 
 def test_lag_groups_is_bounded_by_the_step_and_the_staleness_bound():

@@ -460,6 +460,10 @@ def _not_yet_deterministic(cfg: Config) -> list[tuple[str, bool, str]]:
         ("engine.backend", cfg.engine.backend != "torch", "only the torch engine is replayed"),
         ("trainer.max_time_s", cfg.trainer.max_time_s > 0,
          "a wall-clock budget ends the run after a varying step; bound it by trainer.max_steps"),
+        ("task.params.time_clock", cfg.task.name in ("code", "code_tool")
+         and cfg.task.params.get("time_clock", "wall") != "cpu",
+         "a program's wall-clock time limits decide its reward by the machine's load; set "
+         "task.params.time_clock=cpu (CPU-time limits, docs/code.md)"),
         ("eval.every_s", cfg.eval.enabled and cfg.eval.every_s > 0,
          "a wall-clock evaluation schedule; set eval.every_s=0 and schedule it by "
          "eval.every_steps"),

@@ -34,6 +34,12 @@ REWARDS = ("all", "fraction")
 OUTCOMES = ("passed", "no_program", "syntax_error", "runtime_error", "wrong_answer", "timeout",
             "memory", "refused")
 STARTUP_S = 2.0  # the interpreter's start and the solution's import, beyond the tests' limits
+# time_clock: what a time limit counts. "wall": wall-clock seconds (what a user waits);
+# "cpu": the program's CPU seconds, which the machine's load barely moves, so the same program
+# gets the same outcome in two runs (deterministic mode requires it); the wall deadline is then
+# WALL_BACKSTOP times as long, for a program that sleeps or blocks.
+TIME_CLOCKS = ("wall", "cpu")
+WALL_BACKSTOP = 4
 
 
 class CodeTask:
@@ -46,13 +52,15 @@ class CodeTask:
                  test_split: str | None = None, families: list[str] | None = None,
                  extract: str = "auto", reward: str = "all", time_limit_s: float = 2.0,
                  memory_mb: int = 512, heldout_set: str | None = None,
-                 isolation: str = "full") -> None:
+                 isolation: str = "full", time_clock: str = "wall") -> None:
         if extract not in EXTRACT_RULES:
             raise ValueError(f"extract must be one of {EXTRACT_RULES}, got {extract!r}")
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if not (isinstance(time_limit_s, (int, float)) and 0 < time_limit_s <= 60):
             raise ValueError(f"time_limit_s must be in (0, 60] seconds, got {time_limit_s!r}")
+        if time_clock not in TIME_CLOCKS:
+            raise ValueError(f"time_clock must be one of {TIME_CLOCKS}, got {time_clock!r}")
         if not isinstance(memory_mb, int) or memory_mb < 64:
             raise ValueError(f"memory_mb must be an integer >= 64, got {memory_mb!r}")
         if path is not None and families is not None:
@@ -60,6 +68,7 @@ class CodeTask:
         self.path, self.split, self.test_split = path, split, test_split
         self.extract, self.reward = extract, reward
         self.time_limit_s, self.memory_mb = float(time_limit_s), memory_mb
+        self.time_clock = time_clock
         self.families = check_families(families) if path is None else ()
         self.train: list[Problem] = []
         self.test: list[Problem] = []
@@ -106,7 +115,8 @@ class CodeTask:
         return {"path": self.path, "split": self.split, "test_split": self.test_split,
                 "families": [f.name for f in self.families], "extract": self.extract,
                 "reward": self.reward, "time_limit_s": self.time_limit_s,
-                "heldout_set": self.heldout_set, "isolation": self.isolation}
+                "heldout_set": self.heldout_set, "isolation": self.isolation,
+                "time_clock": self.time_clock}
 
     def sample_problem(self, rng: random.Random) -> Problem:
         if self.path is None:
@@ -169,6 +179,9 @@ class CodeTask:
         one sandbox, a fresh child per program: ~5x the runs/s of a sandbox per program,
         benchmarks/RESULTS.md), or a sandbox of its own in the weak mode, which has none."""
         limits = Limits(timeout_s=timeout_s, memory_mb=self.memory_mb)
+        if self.time_clock == "cpu":  # CPU time decides; the wall deadline is a backstop only
+            limits = Limits(timeout_s=WALL_BACKSTOP * timeout_s, cpu_seconds=timeout_s,
+                            memory_mb=self.memory_mb)
         if self.isolation != "full":
             return run_python(source, stdin=stdin, limits=limits,
                               isolation=self.isolation)  # type: ignore[arg-type]
@@ -179,7 +192,7 @@ class CodeTask:
         return server.run_python(source, stdin=stdin, limits=limits)
 
     def _run_tests(self, tests: dict[str, Any], program: str) -> tuple[str, int]:
-        runner = runner_program(tests, program, self.time_limit_s)
+        runner = runner_program(tests, program, self.time_limit_s, self.time_clock)
         result = self._run_python(runner.source, STARTUP_S + self.time_limit_s * runner.tests)
         solution, verdicts = read_verdicts(result.stdout, runner)
         passed = verdicts.count("pass")
