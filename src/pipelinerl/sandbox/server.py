@@ -1,18 +1,20 @@
 """A fork server: one warm interpreter in one sandbox, forking a child per Python program.
 
 `run_python` starts a sandbox and an interpreter per program; most of a short program's cost
-is that start. A `ForkServer` starts both once: its interpreter (pid 1 of the sandbox's PID
-namespace) forks a child per program, in a fresh scratch subdirectory, with the program's
-limits. Programs run one at a time; after each, the server kills every other process in the
-namespace, removes the scratch subdirectory, the System V IPC objects and the user keyring's
-keys, so the next program finds nothing of it. A program that passes its deadline or output
-cap takes the whole sandbox down (as with `run_python`); the next run starts a new one.
+is that start. A `ForkServer` starts both once: its interpreter, pid 1 of the sandbox's PID
+namespace, forks a child per program, in a fresh scratch subdirectory, a session and an
+empty session keyring of its own, with every resource limit set. Programs run one at a time.
 
-The server is pid 2 under bubblewrap's init: a program can kill it (same uid), which ends
-its own run as `killed` and the sandbox with it. The server never reads a program, its input
-or its output: the caller passes them as file descriptors the server hands to the child. It
-is not dumpable, so a program (same uid) cannot ptrace it or read its memory or file
-descriptors. docs/code.md, "Fork server".
+What one program could leave for the next is checked after each: the server kills every
+other process, empties the scratch directory, removes System V IPC objects and clears the
+keyrings its uid reaches, then compares itself with its start (priority, scheduling,
+affinity, every resource limit, keyrings) and looks for a socket something still holds; on
+any difference it reports why and exits, and the caller starts a new sandbox before the next
+run. As pid 1 it receives no signal from a program (no handler: the kernel drops them), and
+it is not dumpable (no ptrace, no reading its memory or descriptors, which are /dev/null). It
+never reads a program, its input or its output: the caller passes them as descriptors the
+server hands to the child. A program that passes its deadline or output cap takes the whole
+sandbox down (as with `run_python`). docs/code.md, "Fork server".
 """
 
 from __future__ import annotations
