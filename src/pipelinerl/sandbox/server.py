@@ -430,15 +430,20 @@ class _Ending:
         self.over = self.timed_out = False
         self.seconds = deadline
         self._lines = b""
+        self._collect(out, err, control, cap, deadline)
+        if self.status is None:  # the cap, the deadline, or the server gone: now is the end
+            self.seconds = time.monotonic()
+
+    def _collect(self, out, err, control: socket.socket, cap: int, deadline: float) -> None:
         buffers = {out: self.stdout, err: self.stderr}
         with selectors.DefaultSelector() as selector:
             for stream in (out, err):
                 selector.register(stream, selectors.EVENT_READ)
             selector.register(control, selectors.EVENT_READ)
             until = deadline
+            open_pipes = {out, err}
             while True:
-                pipes_open = len(selector.get_map()) > 1
-                if self.status is not None and not pipes_open and self.tainted is not False:
+                if self.status is not None and not open_pipes and self.tainted is not False:
                     return
                 left = until - time.monotonic()
                 if left <= 0:
@@ -449,7 +454,7 @@ class _Ending:
                         if not self._read_control(control):
                             selector.unregister(control)
                             if self.status is None:
-                                return  # the server died (the program killed it)
+                                return  # the server is gone before the program's end
                         if self.status is not None and until == deadline:
                             self.seconds = time.monotonic()
                             until = self.seconds + _CLEAN_GRACE_S
@@ -457,12 +462,12 @@ class _Ending:
                     chunk = os.read(key.fd, 1 << 16)
                     if not chunk:
                         selector.unregister(key.fileobj)
+                        open_pipes.discard(key.fileobj)
                         continue
                     buffers[key.fileobj] += chunk
                     if len(buffers[key.fileobj]) > cap:
                         self.over = True
                         self.status = None
-                        self.seconds = time.monotonic()
                         return
 
     def _read_control(self, control: socket.socket) -> bool:
