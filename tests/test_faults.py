@@ -120,6 +120,35 @@ def test_a_redis_write_retried_after_its_reply_was_lost_is_stored_once(
         assert [x["i"] for x in r.read(10, timeout_s=0.5)] == [0, 1, 2]
 
 
+@pytest.mark.redis
+def test_a_redis_write_many_retried_after_a_reply_was_lost_is_stored_once(
+        redis_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline's retry sends its whole batch again (its failed execute emptied it): the
+    records the first try stored are skipped as this writer's own, not taken for another
+    writer's, and none is stored twice."""
+    import redis
+
+    loc = {"url": redis_server.url, "run": f"lost-pipeline-reply-{time.time_ns()}", "stream": "s"}
+    real = redis.connection.AbstractConnection.read_response
+    lost = []
+
+    def read_response(self, *args, **kwargs):
+        reply = real(self, *args, **kwargs)
+        if reply == 1 and not lost:  # the first record's "stored" (the rest are stored too)...
+            lost.append(reply)
+            raise redis.exceptions.ConnectionError("connection reset")  # ...its reply is lost
+        return reply
+
+    with open_writer("redis", writer_id="a", **loc) as w:
+        monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", read_response)
+        w.write_many({"i": i} for i in range(3))
+        monkeypatch.undo()
+        w.write({"i": 3})
+    assert lost == [1]
+    with open_reader("redis", **loc) as r:
+        assert [x["i"] for x in r.read(10, timeout_s=0.5)] == [0, 1, 2, 3]
+
+
 # ---- refused at start ------------------------------------------------------------------------
 
 

@@ -54,6 +54,65 @@ def test_broadcast_interface_unknown_key_fails_naming_it(monkeypatch: pytest.Mon
         choose_interface("127.0.0.1", "gloo", configured="nosuchif0")
 
 
+# ---- NCCL reads NCCL_SOCKET_IFNAME once, at the process's first NCCL communicator ----------
+# No CUDA here: torch.distributed's calls are stand-ins, which record the order of events.
+
+
+@pytest.fixture
+def no_ifname_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither variable set, and what the test's code sets removed after it."""
+    for var in _IFNAME_VARS:
+        monkeypatch.setenv(var, "")  # recorded, so that undoing restores the variable's state
+        monkeypatch.delenv(var)
+
+
+def test_nccl_socket_ifname_is_set_before_the_trainers_nccl_group_forms(
+        monkeypatch: pytest.MonkeyPatch, no_ifname_vars: None) -> None:
+    """A multi-rank CUDA trainer's own group forms first (init_distributed, then DDP): the
+    weight group's interface is set before it. Before, the weight sender set it later, when
+    NCCL had taken its own choice for the process."""
+    import torch
+    import torch.distributed as dist
+
+    from pipelinerl.process_group import init_distributed
+
+    lo = route_interface("127.0.0.1")
+    seen: dict[str, str | None] = {}
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **_: seen.setdefault(backend, os.environ.get(
+                            "NCCL_SOCKET_IFNAME")))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda _: None)
+    for var, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert init_distributed("cuda", timeout_s=10, weight_store="tcp://127.0.0.1:29500",
+                            interface=lo) == (0, 2, "cuda:0")
+    assert seen == {"nccl": lo}
+
+
+def test_a_weight_group_after_an_nccl_group_warns_and_does_not_log_the_interface_as_chosen(
+        monkeypatch: pytest.MonkeyPatch, no_ifname_vars: None,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An NCCL group of the process formed before the weight channel: setting the variable
+    would change nothing, so it is left unset, a warning names the fix, and the log names
+    NCCL's own choice. Before, the channel set it and logged `weight group interface lo`."""
+    import logging
+
+    import torch.distributed as dist
+
+    from pipelinerl.sync.broadcast import _Channel
+
+    lo = route_interface("127.0.0.1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *_: "nccl")
+    with caplog.at_level(logging.INFO, logger="pipelinerl.sync.broadcast"):
+        channel = _Channel("tcp://127.0.0.1:29500", 0, 2, "cuda", 10.0, None, lo)
+    assert channel.interface is None and "NCCL_SOCKET_IFNAME" not in os.environ
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and f"set NCCL_SOCKET_IFNAME={lo}" in warned[0], warned
+    assert f"weight group interface {lo} " not in caplog.text
+    assert "weight group interface left to torch (NCCL keeps the one it chose" in caplog.text
+
+
 # ---- across network namespaces -------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from pipelinerl.streams import (
     open_writer,
     start_redis_server,
 )
-from pipelinerl.streams.base import WriterStateLost
+from pipelinerl.streams.base import WriterIdInUse, WriterStateLost
 from pipelinerl.streams.local import LocalStreamReader, LocalStreamWriter
 from pipelinerl.streams.redis_server import RedisServer
 from pipelinerl.streams.redis_stream import RedisStreamReader, stream_key
@@ -242,7 +243,7 @@ def test_local_busy_writer_does_not_starve_others(tmp_path: Path) -> None:
 
 def test_local_rejects_duplicate_writer_and_bad_offsets(tmp_path: Path) -> None:
     with LocalStreamWriter(tmp_path, "s", "a") as w:
-        with pytest.raises(RuntimeError, match="already open"):
+        with pytest.raises(WriterIdInUse, match="already open"):  # the lock on a.lock
             LocalStreamWriter(tmp_path, "s", "a")
         w.write({"i": 0})
     with pytest.raises(ValueError, match="record boundary"):
@@ -434,6 +435,86 @@ def test_a_redis_server_back_within_the_stream_timeout_is_ridden_out(tmp_path: P
             assert 4.5 < time.monotonic() - started < 12, time.monotonic() - started
             assert [x["i"] for x in drain(r, 2)] == [0, 1]
             assert r.read(10, timeout_s=0.05) == []
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("operation", ["read", "write", "write_many", "ledger claim"])
+def test_an_operation_across_a_redis_server_restart_within_the_stream_timeout_succeeds(
+        tmp_path: Path, operation: str) -> None:
+    """The server is down for 2 s of a 12 s budget, then back on its port with its append-only
+    file: each operation waits for it and succeeds, its record stored once. Before, under
+    redis-py 5.x, each failed at once: the client raised before its retry ran."""
+    import threading
+
+    from pipelinerl.admission import open_ledger
+
+    server = start_redis_server(tmp_path / "redis")
+    url, timeout_s = server.url, 12.0
+    loc = {"url": url, "run": "r", "stream": "rollouts", "timeout_s": timeout_s}
+    reader, writer = open_reader("redis", **loc), open_writer("redis", writer_id="a", **loc)
+    ledger = open_ledger("redis", url=url, run="r", timeout_s=timeout_s)
+    writer.write({"i": 0})
+    calls = {"read": lambda: reader.read(10, timeout_s=0.0),
+             "write": lambda: writer.write({"i": 1}),
+             "write_many": lambda: writer.write_many({"i": i} for i in range(1, 4)),
+             "ledger claim": lambda: ledger.claim(0, 1, 0, 8)}
+    expected = {"read": [{"i": 0}], "write": None, "write_many": None, "ledger claim": True}
+    stored = {"read": [0], "write": [0, 1], "write_many": [0, 1, 2, 3], "ledger claim": [0]}
+    back: list[RedisServer] = []
+    server.stop()
+    restart = threading.Timer(2.0, lambda: back.append(
+        start_redis_server(tmp_path / "redis", port=server.port)))
+    restart.start()
+    try:
+        started = time.monotonic()
+        assert calls[operation]() == expected[operation]
+        assert 1.5 < time.monotonic() - started < timeout_s, time.monotonic() - started
+        with open_reader("redis", **loc) as again:
+            assert [x["i"] for x in drain(again, len(stored[operation]))] == stored[operation]
+            assert again.read(10, timeout_s=0.05) == []
+    finally:
+        restart.join()
+        for closing in (reader, writer, ledger):
+            closing.close()
+        for restarted in back:
+            restarted.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("call", ["write", "write_many"])
+def test_a_second_live_redis_writer_with_the_same_id_fails_naming_the_stream_and_the_id(
+        redis_server: RedisServer, call: str) -> None:
+    """An actor restarted while its predecessor still runs: both write as `a`, from the same
+    sequence number. Before, the second one's record was skipped as if it were a retry of the
+    first's and its write returned: three writes, two records, no error."""
+    where = Where("redis", {"url": redis_server.url, "run": f"test-{uuid.uuid4().hex[:12]}"})
+    key = stream_key(where.location["run"], where.stream)
+    with where.writer("a") as old, where.writer("a") as new, where.reader() as r:
+        old.write({"i": 0})
+        with pytest.raises(WriterIdInUse,
+                           match=rf"another live writer with writer id 'a' .*{re.escape(key)}"):
+            new.write({"i": 1}) if call == "write" else new.write_many([{"i": 1}])
+        old.write({"i": 2})
+        with pytest.raises(WriterIdInUse):  # it keeps failing while the other one writes
+            new.write({"i": 3})
+        assert [x["i"] for x in drain(r, 2)] == [0, 2]
+        assert r.read(10, timeout_s=0.05) == []
+
+
+@pytest.mark.redis
+def test_a_redis_writer_whose_id_a_newer_process_took_fails_at_its_next_write(
+        redis_server: RedisServer) -> None:
+    """The other order: the restarted actor writes first, so its stalled predecessor's next
+    write is the one that collides."""
+    where = Where("redis", {"url": redis_server.url, "run": f"test-{uuid.uuid4().hex[:12]}"})
+    with where.writer("a") as old:
+        old.write({"i": 0})
+        with where.writer("a") as new, where.reader() as r:
+            new.write({"i": 1})
+            with pytest.raises(WriterIdInUse, match="writer id 'a'"):
+                old.write({"i": 2})
+            new.write({"i": 3})
+            assert [x["i"] for x in drain(r, 3)] == [0, 1, 3]
 
 
 @pytest.mark.redis

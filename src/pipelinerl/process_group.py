@@ -12,19 +12,22 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from pipelinerl.sync.broadcast import _bounded
+from pipelinerl.sync.broadcast import _bounded, claim_nccl_interface
 from pipelinerl.types import Group
 
 # share_groups' payload when rank 0 publishes while it waits (Trainer.serve_rejoined).
 _PUBLISH_AGAIN = "publish again"
 
 
-def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = False
-                     ) -> tuple[int, int, str]:
+def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = False,
+                     weight_store: str = "", interface: str = "") -> tuple[int, int, str]:
     """Join the trainer's process group when started by torchrun (`sharded`: a one-rank group
     too, FSDP2 shards over one); returns (rank, world, device).
     `timeout_s` bounds every collective, the final barrier included: the other ranks wait there
-    while rank 0 saves and waits for the final evaluation."""
+    while rank 0 saves and waits for the final evaluation.
+    `weight_store` (sync.init_method of a broadcast weight channel) and `interface`
+    (sync.interface): on CUDA the weight group's NCCL interface is set before this group forms,
+    since NCCL takes it from the first NCCL group of the process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not sharded:
         return 0, 1, device
@@ -34,6 +37,8 @@ def init_distributed(device: str, timeout_s: float = 1800.0, sharded: bool = Fal
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
         backend = "nccl"
+        if weight_store:
+            claim_nccl_interface(weight_store, interface, f"trainer rank {rank}")
     else:
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)

@@ -296,8 +296,11 @@ def join_ranks(cfg: Config) -> tuple[int, int, str]:
     """(rank, world, device) of this trainer process; a step's groups split evenly over ranks."""
     # The final barrier waits for rank 0's final evaluation too.
     final_eval_s = cfg.eval.final_timeout_s if cfg.eval.enabled else 0.0
-    rank, world, device = init_distributed(cfg.trainer.device, timeout_s=1800.0 + final_eval_s,
-                                           sharded=cfg.trainer.strategy == "fsdp2")
+    broadcast = cfg.sync.backend == "broadcast"
+    rank, world, device = init_distributed(
+        cfg.trainer.device, timeout_s=1800.0 + final_eval_s,
+        sharded=cfg.trainer.strategy == "fsdp2",
+        weight_store=cfg.sync.init_method if broadcast else "", interface=cfg.sync.interface)
     n_groups = cfg.trainer.batch_size // cfg.actor.group_size
     if n_groups % world:
         raise ValueError(f"trainer.batch_size / actor.group_size = {n_groups} groups per step "

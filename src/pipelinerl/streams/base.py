@@ -10,6 +10,11 @@ class WriterStateLost(RuntimeError):
     writer cannot know where its predecessor stopped, and must not guess."""
 
 
+class WriterIdInUse(RuntimeError):
+    """Another live writer has the same writer id (a restarted role whose predecessor still
+    runs): their records would collide, so the write fails rather than lose one of them."""
+
+
 class StreamWriter(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
 

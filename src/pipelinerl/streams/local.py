@@ -24,7 +24,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipelinerl.streams.base import WriterStateLost
+from pipelinerl.streams.base import WriterIdInUse, WriterStateLost
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class LocalStreamWriter:
             fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise RuntimeError(
+            raise WriterIdInUse(
                 f"writer {writer_id!r} of stream {stream!r} is already open (here or in another "
                 f"process) in {self.dir}; give each writer a distinct writer_id"
             ) from None

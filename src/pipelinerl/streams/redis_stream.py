@@ -16,18 +16,20 @@ caller says are safely checkpointed.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
+import uuid
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipelinerl.streams.base import WriterStateLost
+from pipelinerl.streams.base import WriterIdInUse, WriterStateLost
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # How long one operation may wait on a server that does not answer (down, restarting, stalled)
@@ -37,6 +39,11 @@ _MAX_SOCKET_TIMEOUT_S = 30.0
 _MAX_BLOCK_S = 5.0  # XREAD BLOCK is cut into slices well under the socket timeout
 _PIPELINE_BYTES = 4 << 20  # write_many sends this much per round trip, bounding its buffer
 _PIPELINE_RECORDS = 1000
+_BACKOFF_FIRST_S, _BACKOFF_CAP_S = 0.1, 2.0
+# What a server that went away or went silent raises (BusyLoadingError, while a restarted one
+# loads its append-only file, is a ConnectionError).
+_RETRIED = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_T = TypeVar("_T")
 
 
 class StreamConnectionError(ConnectionError):
@@ -74,41 +81,43 @@ def socket_timeout(timeout_s: float) -> float:
     return min(_MAX_SOCKET_TIMEOUT_S, timeout_s / 3)
 
 
-class WithinDeadline(Retry):
-    """Retries with backoff (0.1 s doubling to 2 s) while one more try, answered or not, still
-    ends within `timeout_s` of the operation's start. A count of tries cannot bound time: each
-    try at a stalled server (SIGSTOP, a hung host) waits a whole socket timeout, and 30 of them
-    kept a read waiting a quarter of an hour."""
-
-    def __init__(self, timeout_s: float) -> None:
-        super().__init__(ExponentialBackoff(cap=2.0, base=0.1), -1)  # -1: the deadline decides
-        self.timeout_s = timeout_s
-        self._try_s = socket_timeout(timeout_s)
-
-    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any],
-                        is_retryable: Callable[[Exception], bool] | None = None,
-                        with_failure_count: bool = False) -> Any:
-        deadline = time.monotonic() + self.timeout_s
-        self._backoff.reset()
-        failures = 0
-        while True:
-            try:
-                return do()
-            except self._supported_errors as error:
-                if is_retryable and not is_retryable(error):
-                    raise
-                failures += 1
-                if with_failure_count:
-                    fail(error, failures)
-                else:
-                    fail(error)
-                pause = self._backoff.compute(failures)
-                if time.monotonic() + pause + self._try_s > deadline:
-                    raise
-                time.sleep(pause)
+def within_deadline(timeout_s: float | None, do: Callable[[], _T]) -> _T:
+    """`do()`, tried again with backoff (0.1 s doubling to 2 s) while the server is gone or
+    silent and one more try, answered or not, still ends within `timeout_s` of the start (None:
+    one try). A count of tries cannot bound time: each try at a stalled server (SIGSTOP, a
+    hung host) waits a whole socket timeout, and 30 of them kept a read waiting a quarter of
+    an hour."""
+    if timeout_s is None:
+        return do()
+    deadline = time.monotonic() + timeout_s
+    try_s = socket_timeout(timeout_s)
+    pause = _BACKOFF_FIRST_S
+    while True:
+        try:
+            return do()
+        except _RETRIED:
+            if time.monotonic() + pause + try_s > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, _BACKOFF_CAP_S)
 
 
-def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> redis.Redis:
+class DeadlineClient(redis.Redis):
+    """A client whose every command is retried within `deadline_s` (within_deadline; None: one
+    try). The loop is ours, not a `redis.retry.Retry` handed to the client: how a client uses
+    that changed between redis-py versions (5.x disconnects and raises, before any retry, every
+    error its connection's `retry_on_error` does not list: a stalled server was tried once, a
+    restarting one not at all), while `execute_command`, which every command goes through, is
+    the same in each (a pipeline's execute is not: write_many retries it itself)."""
+
+    deadline_s: float | None = None
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        return within_deadline(self.deadline_s,
+                               functools.partial(super().execute_command, *args, **options))
+
+
+def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeadlineClient:
     """A client whose every operation retries a server that went away or went silent for up to
     `timeout_s`, then fails naming the URL. A server that is not there at open is reported at
     once, not after the retries."""
@@ -116,15 +125,15 @@ def connect(url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> redis.Redis:
         raise ValueError(f"stream.timeout_s must be > 0, got {timeout_s}")
     try_s = socket_timeout(timeout_s)
     with naming_url(url):
-        client = redis.Redis.from_url(
+        client = DeadlineClient.from_url(
             url,
             socket_timeout=try_s,
             socket_connect_timeout=min(5.0, try_s),
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 0),  # one try inside redis-py: the retries are ours
             protocol=2,  # fixes the reply shapes parsed below (RESP3 returns dicts)
         )
         client.ping()
-    client.set_retry(WithinDeadline(timeout_s))
+    client.deadline_s = timeout_s
     return client
 
 
@@ -138,14 +147,22 @@ def parse_id(entry_id: str) -> tuple[int, int]:
 # XADD once per (writer, sequence number): a write retried after its reply was lost (the
 # server restarted, the connection dropped) is not stored twice. The writer's newest number
 # lives beside the stream, updated in the same script, so it survives the server's restart.
+# A number already stored is a retry only if this writer object stored it (its token, ARGV[4],
+# is the one beside the number): else another live writer has the same id (a restarted role
+# whose predecessor still runs), and skipping would drop this record without a word (-1).
 _ADD_ONCE = """
 local last = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-if tonumber(ARGV[2]) <= last then return 0 end
+if tonumber(ARGV[2]) <= last then
+  if redis.call('HGET', KEYS[4], ARGV[1]) == ARGV[4] then return 0 end
+  return -1
+end
 redis.call('XADD', KEYS[1], '*', 'w', ARGV[1], 'd', ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[4])
 return 1
 """
+_ANOTHER_WRITER = -1
 
 
 class RedisStreamWriter:
@@ -158,7 +175,9 @@ class RedisStreamWriter:
         # Each writer's newest record, set in the same script as its XADD: trims never reach
         # it, so a restarted writer learns where its predecessor stopped (last_record).
         self._last_key = f"{self.key}:last"
+        self._owner_key = f"{self.key}:owner"  # the token of whoever stored the newest number
         self._writer_id = writer_id.encode()
+        self._token = uuid.uuid4().hex.encode()
         # Retried writes are safe: each record carries the writer's next sequence number and
         # the script stores it once (_ADD_ONCE).
         self._client = connect(url, timeout_s)
@@ -170,39 +189,58 @@ class RedisStreamWriter:
         # Python's JSON dialect keeps NaN and +-inf, so a -inf log-prob round-trips.
         return json.dumps(record, separators=(",", ":")).encode()
 
-    def _add(self, data: bytes, client: Any) -> None:
-        self._seq += 1
-        self._add_once(keys=[self.key, self._seq_key, self._last_key], args=[self._writer_id, self._seq, data],
-                       client=client)
+    def _add(self, seq: int, data: bytes, client: Any) -> Any:
+        return self._add_once(keys=[self.key, self._seq_key, self._last_key, self._owner_key],
+                              args=[self._writer_id, seq, data, self._token], client=client)
+
+    def _check(self, outcomes: list[int]) -> None:
+        if _ANOTHER_WRITER in outcomes:
+            raise WriterIdInUse(
+                f"another live writer with writer id {self._writer_id.decode()!r} writes to "
+                f"{self.key} (a restarted role whose predecessor still runs?): its records and "
+                "this one's would collide, so the colliding record was not stored")
 
     def write(self, record: dict[str, Any]) -> None:
-        with naming_url(self.url, self.timeout_s):
-            self._add(self._data(record), self._client)
+        self._seq += 1
+        with naming_url(self.url, self._client.deadline_s):
+            self._check([self._add(self._seq, self._data(record), self._client)])
 
     def write_many(self, records: Iterable[dict[str, Any]]) -> None:
         """Pipelined: one round trip per few MB instead of one per record."""
-        pipe = self._client.pipeline(transaction=False)
-        pending_bytes = 0
-        with naming_url(self.url, self.timeout_s):
-            for record in records:
-                data = self._data(record)
-                self._add(data, pipe)
-                pending_bytes += len(data)
-                if pending_bytes >= _PIPELINE_BYTES or len(pipe) >= _PIPELINE_RECORDS:
-                    pipe.execute()
-                    pending_bytes = 0
-            if len(pipe):
-                pipe.execute()
+        batch: list[tuple[int, bytes]] = []
+        batch_bytes = 0
+        for record in records:
+            self._seq += 1
+            batch.append((self._seq, self._data(record)))
+            batch_bytes += len(batch[-1][1])
+            if batch_bytes >= _PIPELINE_BYTES or len(batch) >= _PIPELINE_RECORDS:
+                self._send(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            self._send(batch)
+
+    def _send(self, batch: list[tuple[int, bytes]]) -> None:
+        """`batch` (sequence number, data) in one round trip. A retry builds the pipeline
+        again (a failed execute empties it) and sends the whole batch: what landed before is
+        not stored twice (_ADD_ONCE)."""
+        def once() -> list[int]:
+            with self._client.pipeline(transaction=False) as pipe:
+                for seq, data in batch:
+                    self._add(seq, data, pipe)
+                return pipe.execute()
+
+        with naming_url(self.url, self._client.deadline_s):
+            self._check(within_deadline(self._client.deadline_s, once))
 
     def stop_retrying(self) -> None:
         """From here on a write to a server that is gone fails at once: for what a role writes
         while it stops, when the server may be stopping beside it."""
-        self._client.set_retry(Retry(NoBackoff(), 0))
+        self._client.deadline_s = None
 
     def last_record(self) -> dict[str, Any] | None:
         """The newest record this writer id wrote (an earlier process's too): how a restarted
         writer learns where its predecessor stopped."""
-        with naming_url(self.url, self.timeout_s):
+        with naming_url(self.url, self._client.deadline_s):
             data = self._client.hget(self._last_key, self._writer_id)
         if data is None:
             if self._seq:

@@ -107,7 +107,7 @@ import torch.distributed as dist
 
 from pipelinerl.sync.base import Weights, open_weights
 from pipelinerl.sync.layout import WeightLayout
-from pipelinerl.sync.netaddr import ENV_VARS, choose_interface
+from pipelinerl.sync.netaddr import ENV_VARS, InterfaceChoice, choose_interface
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,41 @@ def _bounded(call: Callable[[], _T], timeout_s: float, on_timeout: str) -> _T:
     if failure:
         raise failure[0]
     return outcome[0]
+
+
+def _nccl_may_have_started() -> bool:
+    """Whether an NCCL communicator of this process may exist already: the default group (a
+    trainer's DDP/FSDP group, which forms before its weight group) is NCCL's."""
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def _settle_nccl(choice: InterfaceChoice, me: str) -> InterfaceChoice:
+    """`choice` as NCCL will take it. NCCL reads NCCL_SOCKET_IFNAME once per process, at its
+    first communicator: it is set to the chosen interface while none can exist yet; after,
+    setting it would change nothing, so it is left alone, with a warning, and NCCL's own
+    choice is what is returned (and logged)."""
+    if choice.interface is None:
+        return choice
+    if not _nccl_may_have_started():
+        # Unset until now: choose_interface returns an interface only then.
+        os.environ[ENV_VARS["nccl"]] = choice.interface
+        return choice
+    logger.warning(
+        "%s: the weight group should use interface %s (%s), but an NCCL group of this process "
+        "formed first and NCCL keeps the interface it chose then; set %s=%s in the role's "
+        "environment", me, choice.interface, choice.reason, ENV_VARS["nccl"], choice.interface)
+    return InterfaceChoice(None, f"NCCL keeps the one it chose for this process's first NCCL "
+                                 f"group; wanted {choice.interface}: {choice.reason}")
+
+
+def claim_nccl_interface(init_method: str, configured: str, me: str) -> None:
+    """Choose the NCCL weight group's interface (store at `init_method`, `configured`:
+    sync.interface) and set NCCL_SOCKET_IFNAME now, before this process forms an NCCL group
+    of its own (a trainer's, in init_distributed): NCCL would fix the interface there."""
+    host, _ = _parse_init_method(init_method)
+    choice = _settle_nccl(choose_interface(host, "nccl", configured), me)
+    logger.info("%s: NCCL interface %s (%s)", me, choice.interface or "left to NCCL",
+                choice.reason)
 
 
 def _await_peers(store: dist.Store, ranks: list[int], me: int, timeout_s: float,
@@ -290,11 +325,9 @@ class _Channel:
         self.backend = _backend_for(self.device)
         # Decided before anything waits on the network: an undecidable one stops the role now.
         choice = choose_interface(self.host, self.backend, interface)
+        if self.backend == "nccl":
+            choice = _settle_nccl(choice, _describe(rank))
         self.interface = choice.interface
-        if self.interface is not None and self.backend == "nccl":
-            # NCCL_SOCKET_IFNAME was unset (choose_interface); NCCL reads it at the process's
-            # first communicator.
-            os.environ[ENV_VARS["nccl"]] = self.interface
         logger.info("%s: weight group interface %s (%s)", _describe(rank),
                     self.interface or "left to torch", choice.reason)
         self.timeout_s = timeout_s
