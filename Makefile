@@ -1,7 +1,7 @@
 # One command installs and runs the tests; .ci/run calls exactly `make test`.
 PY ?= python3
 
-.PHONY: install test test-slow test-vllm test-browser demo redis sandbox browser
+.PHONY: install test test-slow test-vllm test-browser test-redis5 demo redis sandbox browser
 
 install:
 	$(PY) -m pip install -q -e ".[test,math,code,reasoning-gym,verifiers,logging]"
@@ -24,6 +24,14 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,test]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm -p no:cacheprovider
+
+# The Redis stream's deadline retries under the oldest redis-py that `redis>=5` allows: a venv
+# over the main environment's packages with redis 5.0.8 in front of them.
+REDIS5_VENV ?= .venv-redis5
+test-redis5: redis  # after `make install` (make test)
+	test -x $(REDIS5_VENV)/bin/python || $(PY) -m venv --system-site-packages $(REDIS5_VENV)
+	$(REDIS5_VENV)/bin/python -m pip install -q "redis==5.0.8"
+	$(REDIS5_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_streams.py tests/test_faults.py -k redis
 
 # The viewer's browser tests (pipelinerl view): headless Chromium and its driver from Debian,
 # selenium from PyPI (the `browser` extra); their own step. Screenshots: .artifacts/browser/.
