@@ -255,6 +255,9 @@ def scheduling():
 def socket_left():
     """A socket of this network namespace that something still holds (in flight in a unix
     socket's queue, say: it outlives the processes until the kernel's collector runs)."""
+    with open("/proc/net/sockstat") as stats:  # "sockets: used N": every socket of this netns
+        if stats.readline().split()[-1] == "0":
+            return None  # the common case, in 0.04 ms; reading /proc/net/tcp costs 4 ms
     for name in ("tcp", "tcp6", "udp", "udp6", "udplite", "udplite6", "raw", "raw6", "icmp",
                  "icmp6", "unix", "packet"):
         try:
