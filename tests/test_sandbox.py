@@ -447,6 +447,46 @@ def test_fork_server_leaves_the_next_program_nothing() -> None:
     assert scratch == "['run2'] []" and shm_msg == "0 0" and only_us == "True"
 
 
+def _server_pid(server: ForkServer) -> int:
+    """The fork server's own process: pid 1 of its sandbox, bubblewrap's only child."""
+    (child,) = psutil.Process(server._proc.pid).children()
+    return child.pid
+
+
+def _gone(pid: int, within_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_fork_server_ends_with_its_deadline_and_with_its_thread() -> None:
+    """The server is pid 1 and outlives bubblewrap's death signal (setpriv changes its uid):
+    a run past its deadline, and the end of the thread that started the server while the
+    object lives on, must still end every process of its sandbox."""
+    with ForkServer() as server:
+        assert server.run_python("pass").ok
+        first = _server_pid(server)
+        assert server.run_python("import time\ntime.sleep(100)",
+                                 limits=Limits(timeout_s=1)).status == "timeout"
+        assert _gone(first), "the sandbox outlived its deadline"
+    kept: list[ForkServer] = []
+    started: list[int] = []
+
+    def own_thread() -> None:
+        server = ForkServer()
+        assert server.run_python("pass").ok
+        started.append(_server_pid(server))
+        kept.append(server)  # alive after its thread: only the thread's end can stop it
+
+    thread = threading.Thread(target=own_thread)
+    thread.start()
+    thread.join()
+    assert started and _gone(started[0]), "the sandbox outlived the thread that started it"
+
+
 def test_fork_server_memory_and_descriptors_are_out_of_a_programs_reach() -> None:
     source = ("import os\nfor path in (f'/proc/{os.getppid()}/mem', f'/proc/{os.getppid()}/fd'):\n"
               "    try:\n        os.listdir(path) if path.endswith('fd') else open(path, 'rb')\n"

@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import cache
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -357,9 +358,10 @@ class Spawned:
     whatever an ssh login or a systemd service put there; a session keyring belongs to a
     thread, so the caller's own is untouched). bubblewrap dies with the thread that started
     it (--die-with-parent), so that thread lives until `release()` or until the thread that
-    asked for the sandbox ends."""
+    asked for the sandbox ends (`on_owner_end` is called then)."""
 
-    def __init__(self, argv: list[str], **popen_kwargs) -> None:
+    def __init__(self, argv: list[str], on_owner_end: Callable[[], object] | None = None,
+                 **popen_kwargs) -> None:
         owner = threading.current_thread()
         self._released = threading.Event()
         started = threading.Event()
@@ -372,8 +374,11 @@ class Spawned:
             except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
                 outcome["error"] = error
             started.set()
-            while not self._released.wait(0.5) and owner.is_alive():
-                pass
+            while not self._released.wait(0.5):
+                if not owner.is_alive():
+                    if on_owner_end is not None:
+                        on_owner_end()
+                    return
 
         threading.Thread(target=spawn, name="sandbox-spawn", daemon=True).start()
         started.wait()

@@ -161,7 +161,10 @@ def wait_program(pid, err_fd, max_files):
     over = False
     try:
         while True:
-            select.select([pidfd], [], [], TICK_S)
+            ready, _, _ = select.select([pidfd, control], [], [], TICK_S)
+            if control in ready and not control.recv(1, socket.MSG_PEEK):
+                os.kill(-1, signal.SIGKILL)  # the caller is gone (or gave up on this run)
+                os._exit(1)
             status = reap(pid)
             if status is not None:
                 return status
@@ -358,10 +361,13 @@ class ForkServer:
                              self.scratch_limits, self._uid, apply_limits=False, as_pid_1=True)
         # Its descriptors lead nowhere of the caller's: a program that reached them (through
         # /proc/1/fd) would find /dev/null, not the actor's log or terminal.
+        # The server (pid 1: its death ends the sandbox) lives while its control socket is
+        # open: bubblewrap's death signal does not reach it across setpriv's change of uid, so
+        # the end of the thread that asked for it closes the socket instead.
         self._spawned = Spawned(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={"PYTHONHASHSEED": HASH_SEED}, pass_fds=[server_end.fileno()],
-            start_new_session=True)
+            start_new_session=True, on_owner_end=lambda: host_end.shutdown(socket.SHUT_RDWR))
         self._proc = self._spawned.proc
         server_end.close()
         self._control = host_end
