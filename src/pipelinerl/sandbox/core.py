@@ -49,6 +49,7 @@ PYTHON_FLAGS = ["-s", "-S", "-P", "-X", "utf8"]
 HASH_SEED = "0"
 _SIGNALLED = 128  # bwrap (and a shell) report death by signal N as exit code 128 + N
 _GRACE_S = 2.0  # after the deadline, for the kill to land and the pipes to close
+TICK_S = 0.01  # how often the scratch directory's files are counted while a program runs
 # keyctl(2)'s syscall number, where known: without it the caller's session keyring is shared.
 KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
 _KEYCTL_JOIN_SESSION_KEYRING = 1
@@ -460,9 +461,14 @@ def _execute(argv: list[str], stdin_fd: int, pass_fds: list[int], limits: Limits
                       pass_fds=pass_fds, cwd=cwd, env=env, start_new_session=True)
     proc = spawned.proc
     cap = limits.max_output_kb << 10
+    watch = (lambda: False) if weak else ScratchWatch(proc.pid, limits)
     try:
-        out, err, over, timed_out = _read_capped(proc.stdout, proc.stderr, cap, deadline)
-        if not (over or timed_out):
+        out, err, over, timed_out, files_over = _read_capped(proc.stdout, proc.stderr, cap,
+                                                             deadline, watch)
+        if files_over:
+            err += _too_many_files(limits.scratch_files)
+            _kill(proc, weak)
+        elif not (over or timed_out):
             try:  # a program that closed its stdout and stderr still ends at the deadline
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -487,10 +493,12 @@ def _execute(argv: list[str], stdin_fd: int, pass_fds: list[int], limits: Limits
     return result(exit_code, signum, stdout, stderr, seconds, over, timed_out)
 
 
-def _read_capped(stdout: BinaryIO, stderr: BinaryIO, cap: int, deadline: float
-                 ) -> tuple[bytearray, bytearray, bool, bool]:
-    """Read stdout and stderr until both close, one passes `cap` bytes (over) or the
-    deadline passes (timed out); past the cap nothing more is read."""
+def _read_capped(stdout: BinaryIO, stderr: BinaryIO, cap: int, deadline: float,
+                 files_over: Callable[[], bool] = lambda: False
+                 ) -> tuple[bytearray, bytearray, bool, bool, bool]:
+    """Read stdout and stderr until both close, one passes `cap` bytes (over), the deadline
+    passes (timed out) or, checked every TICK_S, `files_over()`; past the cap nothing more
+    is read. Returns (stdout, stderr, over, timed out, files over)."""
     buffers = {stdout: bytearray(), stderr: bytearray()}
     with selectors.DefaultSelector() as selector:
         for stream in buffers:
@@ -499,8 +507,8 @@ def _read_capped(stdout: BinaryIO, stderr: BinaryIO, cap: int, deadline: float
         while selector.get_map():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return buffers[stdout], buffers[stderr], False, True
-            for key, _ in selector.select(timeout=remaining):
+                return buffers[stdout], buffers[stderr], False, True, False
+            for key, _ in selector.select(timeout=min(remaining, TICK_S)):
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
                     selector.unregister(key.fileobj)
@@ -508,8 +516,36 @@ def _read_capped(stdout: BinaryIO, stderr: BinaryIO, cap: int, deadline: float
                 buffer = buffers[key.fileobj]
                 buffer += chunk
                 if len(buffer) > cap:
-                    return buffers[stdout], buffers[stderr], True, False
-    return buffers[stdout], buffers[stderr], False, False
+                    return buffers[stdout], buffers[stderr], True, False, False
+            if files_over():
+                return buffers[stdout], buffers[stderr], False, False, True
+    return buffers[stdout], buffers[stderr], False, False, False
+
+
+class ScratchWatch:
+    """Whether a bubblewrap sandbox's scratch tmpfs holds more than `limit` files, read from
+    the host through its init's root (/proc/PID/root); bubblewrap's tmpfs has no inode bound.
+    Only a file system of the scratch's exact size counts (before bubblewrap mounts it, the
+    path leads to the host's). Where the host cannot look (no permission), never over."""
+
+    def __init__(self, bwrap_pid: int, limits: Limits) -> None:
+        self.bwrap_pid, self.limit = bwrap_pid, limits.scratch_files
+        self.size = limits.scratch_mb << 20
+        self._scratch: str | None = None
+
+    def __call__(self) -> bool:
+        try:
+            if self._scratch is None:
+                with open(f"/proc/{self.bwrap_pid}/task/{self.bwrap_pid}/children") as kids:
+                    first = kids.read().split()[:1]
+                if not first:
+                    return False
+                self._scratch = f"/proc/{first[0]}/root{SCRATCH}"
+            stats = os.statvfs(self._scratch)
+        except OSError:  # not started yet, ended, or not ours to look into
+            return False
+        return (stats.f_blocks * stats.f_frsize == self.size
+                and stats.f_files - stats.f_ffree > self.limit)
 
 
 def _kill(proc: subprocess.Popen, weak: bool) -> None:
@@ -522,6 +558,11 @@ def _kill(proc: subprocess.Popen, weak: bool) -> None:
             proc.kill()
     except ProcessLookupError:
         pass
+
+
+def _too_many_files(limit: int) -> bytes:
+    return (f"\nsandbox: killed: more than {limit} files in the scratch directory "
+            f"(Limits.scratch_files)\n").encode()
 
 
 def _from_exit_code(code: int) -> tuple[int | None, int | None]:
