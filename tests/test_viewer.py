@@ -215,6 +215,58 @@ def test_the_server_answers_the_page_its_data_and_clear_errors(run_dir):
     assert panel[0] == 200 and panel[1] == "image/png" and panel[2][:4] == b"\x89PNG"
 
 
+def _ask(run_dir: Path, *requests: tuple[str, dict[str, str]], **app: Any
+         ) -> list[tuple[int, str, str]]:
+    """Each (path, headers) asked in turn of one client (its cookies kept) of
+    `make_app(..., **app)`, `{port}` in a header filled in: (status, Set-Cookie, body) each."""
+    async def go() -> list[tuple[int, str, str]]:
+        async with TestClient(TestServer(make_app(RunView(run_dir), **app))) as client:
+            out = []
+            for path, headers in requests:
+                headers = {k: v.format(port=client.server.port) for k, v in headers.items()}
+                resp = await client.get(path, headers=headers)
+                out.append((resp.status, resp.headers.get("Set-Cookie", ""), await resp.text()))
+            return out
+    return asyncio.run(go())
+
+
+def test_the_server_answers_only_a_host_and_origin_of_its_own(run_dir):
+    answers = _ask(run_dir, *[("/api/summary", h) for h in (
+        {"Host": "127.0.0.1:{port}"}, {"Host": "localhost"}, {"Host": "[::1]:{port}"},
+        {"Host": "LocalHost:{port}", "Origin": "http://LocalHost:{port}"},
+        {"Host": "localhost:9000", "Origin": "http://localhost:9000"},  # an ssh tunnel's port
+        {"Host": "attacker.example"}, {"Host": "attacker.example:{port}"},
+        {"Host": "[::1]junk"},
+        {"Host": "127.0.0.1:{port}", "Origin": "http://attacker.example"},
+        {"Host": "127.0.0.1:{port}", "Origin": "null"})])
+    assert [status for status, _, _ in answers] == [200] * 5 + [403] * 5
+    for _, _, body in answers[5:]:  # a reason the page shows, in one line
+        assert "\n" not in json.loads(body)["error"]
+    assert "attacker.example" in json.loads(answers[5][2])["error"]
+    (page, _, text), = _ask(run_dir, ("/", {"Host": "attacker.example"}))
+    assert page == 403 and text.count("\n") == 1 and "Host" in text
+
+
+def test_served_beyond_loopback_every_request_needs_the_token(run_dir):
+    app = {"host": "0.0.0.0", "token": "s3cret"}
+    no, wrong, page, summary, export, groups = _ask(
+        run_dir, ("/", {}), ("/?token=nope", {}), ("/?token=s3cret", {}),
+        ("/api/summary", {}), ("/export.html?kind=trained", {}),
+        ("/api/groups?token=s3cret&reward_max=0", {}), **app)  # the token is no filter
+    assert no[0] == wrong[0] == 401 and "token" in no[2] and "s3cret" not in no[2]
+    # The first visit sets the cookie the page's own requests then carry.
+    assert page[0] == 200 and "s3cret" in page[1] and "HttpOnly" in page[1]
+    assert summary[0] == 200 and json.loads(summary[2])["name"] == "demo"
+    assert export[0] == 200 and groups[0] == 200 and json.loads(groups[2])["total"] == 3
+    bearer, other_host, own_host = _ask(
+        run_dir, ("/api/summary", {"Authorization": "Bearer s3cret"}),
+        ("/api/summary", {"Authorization": "Bearer s3cret", "Host": "attacker.example"}),
+        ("/api/summary", {"Authorization": "Bearer s3cret", "Host": "0.0.0.0:{port}"}), **app)
+    assert bearer[0] == 200 and other_host[0] == 403 and own_host[0] == 200
+    (plain, _, _), = _ask(run_dir, ("/", {}))
+    assert plain == 200  # loopback: no token unless one is given
+
+
 def test_an_export_holds_its_view_and_no_completion_can_break_out_of_it(run_dir):
     write_rows(run_dir / "samples.jsonl",
                [group_row(4, completion="</script><script>alert(1)</script>")], mode="a")
@@ -230,6 +282,17 @@ def test_an_export_holds_its_view_and_no_completion_can_break_out_of_it(run_dir)
     assert "const POLL_S = 0;" in html and "http" not in data
 
 
+def test_an_export_holds_no_absolute_path_of_the_run_directory(run_dir):
+    html = export_html(RunView(run_dir), Filters(), EvalQuery(), PanelCache())
+    (status, _, served), = _ask(run_dir, ("/export.html", {}))
+    assert status == 200
+    for text in (html, served):
+        assert str(run_dir.parent) not in text and str(run_dir.resolve().parent) not in text
+    summary = json.loads(re.search(r'<script id="pipelinerl-data" type="application/json">'
+                                   r'(.*?)</script>', html, re.S).group(1))["summary"]
+    assert summary["run_dir"] == "demo"  # its name only: where it lies here is no reader's
+
+
 # ---- the command -----------------------------------------------------------------------------
 
 def _view(*args: str) -> subprocess.CompletedProcess:
@@ -243,6 +306,51 @@ def test_view_names_a_directory_it_cannot_show_without_a_traceback(run_dir):
     assert "is not a pipelinerl run directory" in out.stderr and str(run_dir) in out.stderr
     out = _view(str(run_dir), "--export", str(run_dir / "v.html"), "--filter", "reward_min=x")
     assert out.returncode == 2 and "reward_min" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "0.01", "1e9", "x"])
+def test_a_poll_interval_the_page_cannot_use_is_refused_as_it_is_parsed(run_dir, tmp_path,
+                                                                        value, capsys):
+    from pipelinerl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:  # --export: a value let through ends, not serves
+        main(["view", str(run_dir), "--poll-s", value, "--export", str(tmp_path / "v.html")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("pipelinerl view: --poll-s ") and value in err
+
+
+def test_view_beyond_loopback_prints_its_token_once_and_asks_for_it(run_dir, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    monkeypatch.setenv("PIPELINERL_VIEW_TOKEN", "")  # none given: a fresh one
+    proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "view", str(run_dir),
+                             "--host", "0.0.0.0", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        found = re.search(r"at http://0\.0\.0\.0:(\d+)/\?token=([\w-]{20,}) ", line)
+        assert found, line
+        url = f"http://127.0.0.1:{found.group(1)}/"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url + "api/summary", timeout=30)
+        assert refused.value.code == 401
+        with urllib.request.urlopen(f"{url}api/summary?token={found.group(2)}",
+                                    timeout=30) as resp:
+            assert json.loads(resp.read())["name"] == "demo"
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert found.group(2) not in out + err and "token" in err  # printed once: the URL
+    monkeypatch.setenv("PIPELINERL_VIEW_TOKEN", "from-env")
+    proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "view", str(run_dir),
+                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "/?token=from-env " in proc.stdout.readline()  # given: asked for on loopback too
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_view_exports_a_view_and_serves_on_loopback_by_default(run_dir, tmp_path):

@@ -1,5 +1,6 @@
 """One view of the viewer as a self-contained HTML file to share: the page itself, with the
-view's groups, held-out comparison and health panel embedded (no server, no network)."""
+view's groups, held-out comparison and health panel embedded (no server, no network, no path
+of this machine's)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def export_html(view: RunView, f: Filters, eval_q: EvalQuery, panel: PanelCache)
     """The page with the view of `f` (its one page of groups) and `eval_q` built in."""
     png = panel.png(view) if view.metrics() else b""
     data = {
-        "summary": view.summary(),
+        # The run directory's name, not its path: where it lies on this machine is neither
+        # the reader's business nor of use to them.
+        "summary": {**view.summary(), "run_dir": view.run_dir.resolve().name},
         "filters": f.query(),
         "groups": select_groups(view.groups(), f),
         "eval": compare_eval(view.eval_rows(), eval_q),
