@@ -41,6 +41,7 @@ from pipelinerl.replay import (
     SupersededFilter,
     TrainerMirror,
     check_deterministic_task,
+    checkpoint_to_protect,
     choose_resume_point,
     evaluated_versions,
     paired_checkpoint,
@@ -510,6 +511,28 @@ def test_a_resume_point_has_every_scheduled_evaluation_up_to_its_step_done(tmp_p
     record_evaluated(run_dir, 4, attempt=1)
     assert paired_checkpoint(run_dir, eval_due_at=every_2).name == "step_00000004"
     assert evaluated_versions(run_dir) == {0, 2, 4}
+
+
+def test_the_trainer_keeps_a_checkpoint_whose_evaluations_may_still_come(tmp_path):
+    """An evaluator lagging more than checkpoint_keep checkpoints: no checkpoint is a resume
+    point yet, and keeping none (the newest usable, None) let the trainer prune step 2's while
+    its evaluations were on their way, and the actor its snapshot; a crash then resumed the
+    run from its start (CI, the two-actor crash test). The oldest with every snapshot is kept
+    until a newer one is usable."""
+    run_dir = tmp_path / "run"
+    for step in (2, 4, 6):
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").write_text(
+            json.dumps({"step": step}))
+        for actor in (0, 1):
+            write_snapshot(run_dir, actor, step, {"published": step})
+    every_2 = lambda version: version % 2 == 0  # noqa: E731
+    assert paired_checkpoint(run_dir, 2, every_2) is None
+    assert checkpoint_to_protect(run_dir, 2, every_2).name == "step_00000002"
+    for version in (0, 2, 4):
+        record_evaluated(run_dir, version, attempt=0)
+    assert checkpoint_to_protect(run_dir, 2, every_2).name == "step_00000004"
+    assert checkpoint_to_protect(run_dir, 2) == paired_checkpoint(run_dir, 2)  # no evaluation
 
 
 class _Records:

@@ -408,6 +408,23 @@ def paired_checkpoint(run_dir: Path, num_actors: int = 1,
     return None
 
 
+def checkpoint_to_protect(run_dir: Path, num_actors: int = 1,
+                          eval_due_at: Callable[[int], bool] | None = None) -> Path | None:
+    """The checkpoint the trainer keeps past its newest `checkpoint_keep`: the newest a resume
+    can use now (`paired_checkpoint`), else the oldest with every actor's snapshot, whose
+    evaluations may still come (an evaluator lagging more than `checkpoint_keep` checkpoints
+    would otherwise see every usable checkpoint pruned before its results, and a crash then
+    resume the run from its start)."""
+    paired = paired_checkpoint(run_dir, num_actors, eval_due_at)
+    if paired is not None or eval_due_at is None:
+        return paired
+    for path in complete_checkpoints(run_dir):
+        step = read_state(path)["step"]
+        if all(snapshot_path(run_dir, a, step).exists() for a in range(num_actors)):
+            return path
+    return None
+
+
 def record_evaluated(run_dir: Path, version: int, attempt: int) -> None:
     """The evaluator's note that `version`'s result is on the eval stream (or its weights kept
     for a deferred pass), written after it: a resume need not make that version again."""

@@ -52,7 +52,7 @@ from pipelinerl.replay import (
     eval_due,
     eval_schedule,
     is_superseded,
-    paired_checkpoint,
+    checkpoint_to_protect,
     resume_point,
     resume_points,
     superseded_after,
@@ -427,9 +427,10 @@ class Trainer:
         reader offsets: no resume goes back before the newest checkpoint."""
         state = self.checkpoint_state()
         # Deterministic mode resumes only from a checkpoint the actor has a snapshot for (and
-        # whose evaluations are done): the newest such one is kept, and the stream it reads from.
-        paired = (paired_checkpoint(self.cfg.run_dir, self.cfg.actor.num_actors,
-                                    eval_schedule(self.cfg))
+        # whose evaluations are done): the newest such one is kept (else the oldest whose
+        # evaluations may still come), and the stream it reads from.
+        paired = (checkpoint_to_protect(self.cfg.run_dir, self.cfg.actor.num_actors,
+                                        eval_schedule(self.cfg))
                   if self.cfg.deterministic.enabled else None)
         path = save_checkpoint(self.cfg.run_dir, self.step, self.model, tokenizer, self.optimizer,
                                self.scheduler, state, self.cfg.trainer.checkpoint_keep,
