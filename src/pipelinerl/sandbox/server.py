@@ -29,7 +29,6 @@ import time
 from collections import Counter
 
 from pipelinerl.sandbox.core import (
-    HASH_SEED,
     KEYCTL,
     PYTHON_FLAGS,
     RLIMIT_NUMBERS,
@@ -366,7 +365,7 @@ class ForkServer:
         # the end of the thread that asked for it closes the socket instead.
         self._spawned = Spawned(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={"PYTHONHASHSEED": HASH_SEED}, pass_fds=[server_end.fileno()],
+            env={}, pass_fds=[server_end.fileno()],
             start_new_session=True, on_owner_end=lambda: host_end.shutdown(socket.SHUT_RDWR))
         self._proc = self._spawned.proc
         server_end.close()
