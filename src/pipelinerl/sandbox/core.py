@@ -123,7 +123,7 @@ RLIMIT_NUMBERS = {"cpu": 0, "fsize": 1, "data": 2, "stack": 3, "core": 4, "rss":
 
 
 def _within_hard(number: int, soft: int, hard: int) -> tuple[int, int]:
-    _own_soft, own_hard = resource.getrlimit(number)
+    own_hard = resource.getrlimit(number)[1]
     if own_hard == resource.RLIM_INFINITY:
         return soft, hard
     capped_hard = own_hard if hard == resource.RLIM_INFINITY else min(hard, own_hard)
@@ -392,11 +392,15 @@ class Spawned:
         self._released.set()
 
 
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _join_new_session_keyring() -> None:
     if KEYCTL is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+    if _libc().syscall(KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
         raise OSError(ctypes.get_errno(), "keyctl(JOIN_SESSION_KEYRING) failed")
 
 
