@@ -207,6 +207,24 @@ class TrainerConfig(_Section):
     # 1.56x / 1.90x a padded loop against masked rows of 256's 1.26x / 1.86x).
     max_tokens_per_row: int = Field(default=1024, gt=0)
     packed_attention: Literal["masked_row", "per_sequence"] = "per_sequence"
+    # Micro-batches by tokens: each forward packs up to this many input tokens into one
+    # varlen row (per_sequence attention: one flash-attention call a layer on CUDA), instead
+    # of one forward per row of max_tokens_per_row; a longer sequence goes alone. 0: by rows.
+    # Activations grow with it (docs/scaling.md, "The training step").
+    tokens_per_microbatch: int = Field(default=0, ge=0)
+    # The weights forward and backward compute with. float32: the masters. bfloat16: a bf16
+    # copy of every parameter, refreshed in place each step from the float32 masters AdamW
+    # updates, so the whole forward runs in bf16 (autocast instead casts activations around
+    # every norm, rotary and attention); gradients add up in float32 (pipelinerl.rl.compute).
+    # One trainer process; with precision=float32.
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # torch.compile of the decoder layers and of the log-prob/entropy computation, sequence
+    # lengths dynamic (one graph for every length; attention stays eager). The first step
+    # pays the compile (docs/scaling.md).
+    compile: bool = False
+    # Liger's fused kernels (CUDA, the optional extra `gpu`): RMSNorm, SwiGLU, rotary, and a
+    # fused linear + log-prob head that never holds the logits (pipelinerl.rl.fused).
+    liger: bool = False
     threads: int = Field(default=1, gt=0, description="torch threads for each trainer process")
     num_procs: int = Field(default=1, gt=0, description="trainer ranks on this machine (torchrun)")
     device: str = "cpu"
@@ -241,6 +259,39 @@ class TrainerConfig(_Section):
     # A dead trainer: the launcher resumes the whole run from the newest checkpoint this many
     # times (`pipelinerl train --auto-resume` sets 3); 0: the run ends, naming the command.
     max_restarts: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_step_kernels(self) -> "TrainerConfig":
+        """Refuse the combinations of the step's options that cannot run as asked."""
+        if self.tokens_per_microbatch and not (self.packing and
+                                               self.packed_attention == "per_sequence"):
+            raise ValueError("trainer.tokens_per_microbatch > 0 packs a micro-batch into one "
+                             "varlen row: it needs trainer.packing=true and "
+                             "trainer.packed_attention=per_sequence (a masked row costs its "
+                             "length squared)")
+        if self.compute_dtype != "float32":
+            if self.precision != "float32":
+                raise ValueError(f"trainer.compute_dtype={self.compute_dtype} computes in "
+                                 f"{self.compute_dtype} already: trainer.precision must be "
+                                 f"float32, not {self.precision}")
+            if self.strategy != "ddp" or self.num_procs > 1:
+                raise ValueError(f"trainer.compute_dtype={self.compute_dtype} runs in one "
+                                 "trainer process (trainer.strategy=ddp, num_procs=1); FSDP2 "
+                                 "has trainer.fsdp.param_dtype")
+        if self.compile and self.strategy == "fsdp2":
+            raise ValueError("trainer.compile=true with trainer.strategy=fsdp2: not tested "
+                             "yet; use trainer.strategy=ddp")
+        if self.liger:
+            if not self.device.startswith("cuda"):
+                raise ValueError(f"trainer.liger=true needs a CUDA trainer.device, not "
+                                 f"{self.device!r}: Liger's kernels are Triton kernels for "
+                                 "GPUs (the eager path is the CPU's)")
+            if self.compile:
+                raise ValueError("trainer.liger=true with trainer.compile=true: choose one")
+            if self.loss.entropy_coef > 0:
+                raise ValueError("trainer.liger=true computes no entropy: "
+                                 "trainer.loss.entropy_coef must be 0")
+        return self
 
 
 class StreamConfig(_Section):

@@ -62,11 +62,16 @@ def _mesh(device: str) -> DeviceMesh:
     return init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules of Hugging Face's `_no_split_modules` classes."""
+    units = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in units]
+
+
 def shard_model(model: torch.nn.Module, fc: FsdpConfig, device: str) -> torch.nn.Module:
     """`fully_shard` on every decoder layer (Hugging Face's `_no_split_modules` classes), then
     on the root (embeddings, final norm, head). In place; returns the model."""
-    units = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in units]
+    layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"trainer.strategy=fsdp2: {type(model).__name__} names no decoder-layer "
                          "class (_no_split_modules) to shard by; use trainer.strategy=ddp")

@@ -120,7 +120,11 @@ def groups_advantages(
         for a, s in zip(index, g.samples):
             firsts.setdefault(a, s)
         attempt = torch.tensor(index, dtype=torch.long)
-        rewards, trained = rewards_and_trained(list(firsts.values()), truncated, truncated_reward)
+        rewards, _ = rewards_and_trained(list(firsts.values()), truncated, truncated_reward)
+        # The trained attempts by index, from the host's samples: a boolean mask would cost a
+        # nonzero (and the launch counter a host read) per group.
+        trained = torch.tensor([a for a, s in enumerate(firsts.values())
+                                if not (truncated == "mask" and is_truncated(s))], dtype=torch.long)
         weights = None
         if log_weights is not None:
             mine = log_weights[start:start + len(g.samples)]

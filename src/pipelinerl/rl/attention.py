@@ -19,6 +19,7 @@ goes to transformers' own sdpa function unchanged.
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -59,6 +60,19 @@ def _segments(position_ids: Tensor) -> list[list[tuple[int, int]]]:
         rows.append(list(zip(begin, begin[1:] + [length])))
     _last = (position_ids, position_ids._version, rows)
     return rows
+
+
+def remember_segments(position_ids: Tensor, lengths: list[list[int]]) -> None:
+    """The segments of `position_ids` given by the packer, so that `_segments` reads nothing
+    back. A compiled layer (`trainer.compile`) gets them so rather than as the
+    `sequence_lengths` keyword, whose host ints its graph would guard on (one recompilation
+    per batch layout)."""
+    global _last
+    rows = []
+    for row in lengths:
+        ends = list(itertools.accumulate(row))
+        rows.append(list(zip([0] + ends[:-1], ends)))
+    _last = (position_ids, position_ids._version, rows)
 
 
 def per_sequence_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -148,7 +162,9 @@ def _mask(attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
     return sdpa_mask(attention_mask=attention_mask, **kwargs)
 
 
-AttentionInterface.register(NAME, per_sequence_attention)
+# Eager under torch.compile too (`trainer.compile`): its sequences' lengths are host ints that
+# a traced graph would bake in (one graph per batch layout); on CUDA it is one kernel anyway.
+AttentionInterface.register(NAME, torch.compiler.disable(per_sequence_attention))
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
 
 

@@ -130,7 +130,6 @@ def ppo_clip_active(eps: float, eps_high: float | None = None) -> ClipActive:
 SUMS = ("tokens", "sum_rho", "sum_rho_sq", "clipped", "sum_abs_diff", "sum_k1", "sum_k3",
         "lag0_tokens", "lag0_sum_abs_diff", "lag0_sum_k3", "sum_lag", "entropy_tokens",
         "sum_entropy")
-_MASKED = torch.iinfo(torch.long).min  # the lag recorded for a masked token (never counted)
 
 
 @dataclass
@@ -141,14 +140,24 @@ class LossStats:
     A token's lag is trainer_version - the version that generated it; lag-0 tokens were
     sampled by the very weights the trainer holds, so their log-prob difference is numerical
     engine-vs-trainer mismatch (kernels, dtype, sampling truncation), not policy change.
-    Every sum stays on the micro-batches' device until `finalize` reads them together: a GPU
-    step waits for none of them (no `.item()` or boolean indexing per micro-batch).
+    Every sum stays on the micro-batches' device until `finalize` reads them all at once: a
+    GPU step waits for none of them (no `.item()` or boolean indexing per micro-batch).
+
+    The lag histogram is dense over `lag_range` (lowest, highest lag), counted on the device.
+    A caller that knows the range (the step: from its samples' versions, on the host) gives it
+    and no micro-batch is read; without it each `add` finds its tokens' range (one read each)
+    and the histogram widens to cover it.
     """
 
     sums: Tensor | None = None  # float64 (len(SUMS),)
     # (bin, field) sums by the completion length of the token's sequence (_BIN_FIELDS)
     by_length: Tensor | None = None
-    lags: list[Tensor] = field(default_factory=list)  # per micro-batch, each token's lag
+    lag_range: tuple[int, int] | None = None
+    lag_hist: Tensor | None = None  # float64 counts of lags lag_range[0] .. lag_range[1]
+    _fixed_range: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._fixed_range = self.lag_range is not None
 
     def allocate(self, device: torch.device) -> None:
         """Zero sums on `device`, unless already there (a rank with no token reduces them too)."""
@@ -156,6 +165,9 @@ class LossStats:
             self.sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
             self.by_length = torch.zeros(len(LENGTH_LABELS), _BIN_FIELDS, dtype=torch.float64,
                                          device=device)
+        if self.lag_hist is None and self.lag_range is not None:
+            lo, hi = self.lag_range
+            self.lag_hist = torch.zeros(hi - lo + 1, dtype=torch.float64, device=device)
 
     def count_sequences(self, bins: Tensor) -> None:
         """Add sequences of the given length bins (`length_bins`)."""
@@ -210,32 +222,60 @@ class LossStats:
                              lag.double(), ones * (entropy is not None), ent])
         # where, not a product: a masked token's weight may be inf (0 * inf is nan).
         self.sums += terms.where(keep, 0.0).sum(dim=1)
-        self.lags.append(lag.masked_fill(~keep, _MASKED))
+        if lag.numel():
+            if not self._fixed_range:
+                self._cover(int(lag.min()), int(lag.max()), new.device)
+            assert self.lag_range is not None and self.lag_hist is not None
+            self.lag_hist.index_add_(0, lag - self.lag_range[0], keep.double())
         if bins is not None:
             per_bin = torch.stack([ones, rho, rho.square(), lag.double()], dim=1)
             self.by_length[:, 1:].index_add_(0, bins, per_bin.where(keep[:, None], 0.0))
 
+    def _cover(self, lo: int, hi: int, device: torch.device) -> None:
+        """Widen the histogram to lags lo .. hi, keeping its counts."""
+        if self.lag_range is not None:
+            lo, hi = min(lo, self.lag_range[0]), max(hi, self.lag_range[1])
+        wider = torch.zeros(hi - lo + 1, dtype=torch.float64, device=device)
+        if self.lag_hist is not None and self.lag_range is not None:
+            start = self.lag_range[0] - lo
+            wider[start:start + self.lag_hist.numel()] = self.lag_hist
+        self.lag_range, self.lag_hist = (lo, hi), wider
+
+    def read(self) -> tuple[list[float], list[list[float]], dict[int, int]]:
+        """The sums, the by-length rows and the trained tokens per lag: one read of the
+        device for all three."""
+        if self.sums is None:
+            return [0.0] * len(SUMS), [], {}
+        assert self.by_length is not None
+        parts = [self.sums, self.by_length.flatten()]
+        if self.lag_hist is not None:
+            parts.append(self.lag_hist)
+        flat = torch.cat(parts).tolist()
+        sums, rest = flat[:len(SUMS)], flat[len(SUMS):]
+        cells = self.by_length.numel()
+        rows = [rest[i:i + _BIN_FIELDS] for i in range(0, cells, _BIN_FIELDS)]
+        lo = self.lag_range[0] if self.lag_range is not None else 0
+        lags = {lo + i: int(n) for i, n in enumerate(rest[cells:]) if n}
+        return sums, rows, lags
+
     def lag_counts(self) -> dict[int, int]:
         """Trained tokens per lag."""
-        if not self.lags:
-            return {}
-        values, counts = torch.unique(torch.cat(self.lags), return_counts=True)
-        return {v: c for v, c in zip(values.tolist(), counts.tolist()) if v != _MASKED}
+        return self.read()[2]
 
     def totals(self) -> dict[str, float]:
-        """The sums by name (the one read of the device's sums)."""
-        return dict(zip(SUMS, [0.0] * len(SUMS) if self.sums is None else self.sums.tolist()))
+        """The sums by name."""
+        return dict(zip(SUMS, self.read()[0]))
 
     def finalize(self) -> dict[str, Any]:
         """Metrics of the step; the lag-0 mismatch keys are absent when no token had lag 0.
 
         `lag_hist` maps each lag (as a string, JSON's key type) to its count of trained tokens.
         """
-        t = self.totals()
+        sums, rows, lag_counts = self.read()
+        t = dict(zip(SUMS, sums))
         if t["tokens"] == 0:
             return {"tokens": 0.0}
         n = t["tokens"]
-        lag_counts = self.lag_counts()
         out: dict[str, Any] = {
             "tokens": n,
             # Kong (1992) normalised effective sample size: 1 = every rho equal (on-policy).
@@ -256,8 +296,7 @@ class LossStats:
             out["mismatch_k3_lag0"] = t["lag0_sum_k3"] / t["lag0_tokens"]
         if t["entropy_tokens"]:
             out["entropy"] = t["sum_entropy"] / t["entropy_tokens"]
-        by_length = {label: _bin_metrics(row) for label, row in
-                     zip(LENGTH_LABELS, self.by_length.tolist()) if row[1]}
+        by_length = {label: _bin_metrics(row) for label, row in zip(LENGTH_LABELS, rows) if row[1]}
         if by_length:
             out["by_length"] = by_length
         return out

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from pipelinerl.engine.sampling import truncation_threshold
+from pipelinerl.rl.attention import remember_segments
 from pipelinerl.types import Sample
 
 # Elements of fp32 logits materialised at once when turning logits into log-probs (256 MB).
@@ -76,11 +77,16 @@ class PackedBatch:
         """Grid cells the model computes, padding included (throughput accounting)."""
         return self.input_ids.numel()
 
-    def attention_kwargs(self) -> dict[str, Any]:
+    def attention_kwargs(self, compiled: bool = False) -> dict[str, Any]:
         """What the model's forward passes on to `per_sequence` attention (rl.attention): the
-        packed sequences' lengths (host ints), their cu_seqlens and the longest; {} when padded."""
+        packed sequences' lengths (host ints), their cu_seqlens and the longest; {} when padded.
+        `compiled` (compiled layers): cu_seqlens alone, the lengths handed to the attention
+        beside the graph (`rl.attention.remember_segments`), since a graph guards on them."""
         if self.sequence_lengths is None:
             return {}
+        if compiled:
+            remember_segments(self.position_ids, self.sequence_lengths)
+            return {"cu_seqlens": self.cu_seqlens}
         return {"sequence_lengths": self.sequence_lengths, "cu_seqlens": self.cu_seqlens,
                 "max_seqlen": max(n for row in self.sequence_lengths for n in row)}
 
@@ -106,7 +112,7 @@ def _input_length(s: Sample) -> int:
 
 
 def _build(
-    samples: Sequence[Sample], advantages: Tensor, rows: list[list[int]], pad_id: int
+    samples: Sequence[Sample], advantage: list[float], rows: list[list[int]], pad_id: int
 ) -> PackedBatch:
     lengths = [[_input_length(samples[i]) for i in row] for row in rows]
     row_lengths = [sum(ls) for ls in lengths]
@@ -126,7 +132,6 @@ def _build(
     context_versions: list[int] = []
     adv: list[float] = []
     seq_idx: list[int] = []
-    advantage = advantages.tolist()  # one read, not one per sequence
     for r, row in enumerate(rows):
         offset = 0
         for i, n in zip(row, lengths[r]):
@@ -174,7 +179,13 @@ def _build(
     )
 
 
-def _trainable(samples: Sequence[Sample], advantages: Sequence[float] | Tensor) -> list[int]:
+def _floats(advantages: Sequence[float] | Tensor) -> list[float]:
+    """The advantages as host floats: a tensor read once, not once per sequence (the step
+    passes a list: no read at all)."""
+    return advantages.tolist() if isinstance(advantages, Tensor) else [float(a) for a in advantages]
+
+
+def _trainable(samples: Sequence[Sample], advantages: Sequence[float]) -> list[int]:
     if len(advantages) != len(samples):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     # An empty completion has no token to train; it would only cost compute.
@@ -194,7 +205,7 @@ def pack(
     """
     if max_tokens_per_row < 1:
         raise ValueError(f"max_tokens_per_row must be >= 1, got {max_tokens_per_row}")
-    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    adv = _floats(advantages)
     keep = _trainable(samples, adv)
     lengths = {i: _input_length(samples[i]) for i in keep}
     rows: list[list[int]] = []
@@ -223,7 +234,7 @@ def pad(
     `max_tokens_per_batch` (None: all in one batch); a sequence over the limit goes alone.
     Samples with no completion tokens are skipped.
     """
-    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    adv = _floats(advantages)
     batches: list[list[int]] = []
     width = 0
     for i in _trainable(samples, adv):
@@ -269,6 +280,65 @@ def _entropy_with_grad(x: Tensor, lse: Tensor) -> Tensor:
     return -(p * _log_probs_of_kept(x, lse)).sum(-1)
 
 
+def _scores_at_once(flat: Tensor, index: Tensor, targets: Tensor, temperature: float,
+                    truncation: tuple[int, float] | None, entropy_grad: bool
+                    ) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies of `targets` at rows `index` of `flat`, through autograd."""
+    x = flat[index].float() / temperature
+    if truncation:
+        x = _keep_sampled(x, truncation_threshold(x, *truncation), targets)
+    lse = torch.logsumexp(x, dim=-1)
+    logprobs = x.gather(-1, targets[:, None]).squeeze(-1) - lse
+    entropy = _entropy_with_grad(x, lse) if entropy_grad else _entropy(x.detach(), lse.detach())
+    return logprobs, entropy
+
+
+def _chunk_scores(logits: Tensor, rows: Tensor, targets: Tensor, temperature: float,
+                  truncation: tuple[int, float] | None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One chunk's log-probs, logsumexps, entropies and truncation thresholds (None: none)."""
+    x = logits[rows].float() / temperature
+    threshold = None
+    if truncation:
+        threshold = truncation_threshold(x, *truncation).squeeze(1)
+        x = _keep_sampled(x, threshold[:, None], targets)
+    lse = torch.logsumexp(x, dim=-1)
+    out = x.gather(-1, targets[:, None]).squeeze(-1) - lse
+    return out, lse, _entropy(x, lse), threshold
+
+
+def _chunk_grad(logits: Tensor, rows: Tensor, targets: Tensor, lse: Tensor,
+                threshold: Tensor | None, entropy: Tensor, g: Tensor,
+                grad_entropy: Tensor | None, temperature: float) -> Tensor:
+    """One chunk's gradient on its logits rows, in the logits' dtype."""
+    x = logits[rows].float() / temperature
+    if threshold is not None:
+        # Dropped tokens get exp(-inf) = 0: the kept set is a stop-gradient choice.
+        x = _keep_sampled(x, threshold[:, None], targets)
+    # d/dx (x_target - logsumexp x) = onehot(target) - softmax(x); chain through /T.
+    p = torch.exp(x - lse[:, None])
+    if grad_entropy is not None:
+        # dH/dx = -p (log p + H), 0 on the dropped tokens (p = 0).
+        log_p = _log_probs_of_kept(x, lse)
+        h_term = log_p.add_(entropy[:, None]).mul_(grad_entropy[:, None].float())
+        dx = h_term.add_(g).mul_(-p)
+    else:
+        dx = p.mul_(-g)
+    dx.scatter_add_(-1, targets[:, None], g)
+    return dx.div_(temperature).to(logits.dtype)
+
+
+# `trainer.compile`: the same functions under torch.compile, sequence lengths dynamic (one
+# graph for every token count), made on first use.
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn.__name__]
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     """log_softmax(logits[rows] / T)[targets], computed in token chunks, optionally under the
     engine's top-k / top-p truncation; and the entropy of each row's distribution (with a
@@ -277,6 +347,7 @@ class _SelectedLogprobs(torch.autograd.Function):
     Autograd through log_softmax would keep an fp32 (K, vocab) copy alive for backward; this
     keeps only the logits (model dtype), one fp32 chunk at a time and, when truncating, one
     threshold per token (the kept set is recomputed from it in backward, without a sort).
+    `compiled`: each chunk's work under torch.compile.
     """
 
     @staticmethod
@@ -289,22 +360,22 @@ class _SelectedLogprobs(torch.autograd.Function):
         chunk: int,
         truncation: tuple[int, float] | None = None,
         entropy_grad: bool = False,
+        compiled: bool = False,
     ) -> tuple[Tensor, Tensor]:
         out = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out)
         threshold = torch.empty_like(out) if truncation else None
+        scores = _compiled(_chunk_scores) if compiled else _chunk_scores
         for s in range(0, rows.numel(), chunk):
             e = s + chunk
-            x = logits[rows[s:e]].float() / temperature
+            out[s:e], lse[s:e], entropy[s:e], cut = scores(logits, rows[s:e], targets[s:e],
+                                                           temperature, truncation)
             if threshold is not None:
-                threshold[s:e] = truncation_threshold(x, *truncation).squeeze(1)
-                x = _keep_sampled(x, threshold[s:e, None], targets[s:e])
-            lse[s:e] = torch.logsumexp(x, dim=-1)
-            out[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
-            entropy[s:e] = _entropy(x, lse[s:e])
+                threshold[s:e] = cut
         ctx.save_for_backward(logits, rows, targets, lse, threshold, entropy)
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, entropy_grad
+        ctx.compiled = compiled
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return out, entropy
@@ -312,29 +383,19 @@ class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, grad_entropy: Tensor | None
-    ) -> tuple[Tensor, None, None, None, None, None, None]:
+    ) -> tuple[Tensor | None, ...]:
         logits, rows, targets, lse, threshold, entropy = ctx.saved_tensors
         with_entropy = ctx.entropy_grad and grad_entropy is not None
         grad = torch.zeros_like(logits)
+        chunk_grad = _compiled(_chunk_grad) if ctx.compiled else _chunk_grad
         for s in range(0, rows.numel(), ctx.chunk):
             e = s + ctx.chunk
-            g = grad_out[s:e, None].float()
-            x = logits[rows[s:e]].float() / ctx.temperature
-            if threshold is not None:
-                # Dropped tokens get exp(-inf) = 0: the kept set is a stop-gradient choice.
-                x = _keep_sampled(x, threshold[s:e, None], targets[s:e])
-            # d/dx (x_target - logsumexp x) = onehot(target) - softmax(x); chain through /T.
-            p = torch.exp(x - lse[s:e, None])
-            if with_entropy:
-                # dH/dx = -p (log p + H), 0 on the dropped tokens (p = 0).
-                log_p = _log_probs_of_kept(x, lse[s:e])
-                h_term = log_p.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None].float())
-                dx = h_term.add_(g).mul_(-p)
-            else:
-                dx = p.mul_(-g)
-            dx.scatter_add_(-1, targets[s:e, None], g)
-            grad.index_add_(0, rows[s:e], dx.div_(ctx.temperature).to(grad.dtype))
-        return grad, None, None, None, None, None, None
+            dx = chunk_grad(logits, rows[s:e], targets[s:e], lse[s:e],
+                            None if threshold is None else threshold[s:e], entropy[s:e],
+                            grad_out[s:e, None].float(),
+                            grad_entropy[s:e] if with_entropy else None, ctx.temperature)
+            grad.index_add_(0, rows[s:e], dx)
+        return grad, None, None, None, None, None, None, None
 
 
 @dataclass
@@ -342,8 +403,14 @@ class TokenScores:
     """The trainer's view of a batch's trained tokens, aligned with its fields."""
 
     logprobs: Tensor  # (K,) float32, with grad: log pi(a_t)
-    # (K,) float32: entropy of pi at the position predicting a_t; with grad if entropy_grad
-    entropy: Tensor
+    # (K,) float32: entropy of pi at the position predicting a_t; with grad if entropy_grad.
+    # None: not computed (the fused head, `trainer.liger`, gives log-probs only).
+    entropy: Tensor | None
+
+
+# How the scores are computed: eager (the reference), compiled (`trainer.compile`), or with
+# Liger's fused linear + cross-entropy head (`trainer.liger`, CUDA).
+ScoreMode = Literal["eager", "compiled", "liger"]
 
 
 def score_tokens(
@@ -354,6 +421,7 @@ def score_tokens(
     top_p: float = 1.0,
     chunk_tokens: int | None = None,
     entropy_grad: bool = False,
+    mode: ScoreMode = "eager",
 ) -> TokenScores:
     """Trainer log-probs of the batch's trained tokens and the entropy of the distribution
     each is scored under, aligned with its fields.
@@ -367,34 +435,37 @@ def score_tokens(
     that predict a trained token are projected onto the vocabulary (`logits_to_keep`), so
     prompt positions cost no lm_head work in packed rows (padded rows keep the union of those
     columns over their rows). Beyond `chunk_tokens` trained tokens (default: 2^26 / vocab) the
-    fp32 log-softmax runs chunk by chunk, forward and backward.
+    fp32 log-softmax runs chunk by chunk, forward and backward. `mode`: `ScoreMode`.
     """
     if batch.num_tokens == 0:
         empty = torch.zeros(0, device=batch.input_ids.device)
         return TokenScores(empty, empty)
+    truncation = (top_k, top_p) if top_k > 0 or top_p < 1 else None
+    if mode == "liger":
+        from pipelinerl.rl.fused import fused_logprobs
+
+        return TokenScores(fused_logprobs(model, batch, temperature, truncation, entropy_grad),
+                           None)
+    compiled = mode == "compiled"
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,  # a cache disables packed-sequence masking (module docstring)
         logits_to_keep=batch.logit_cols,
-        **batch.attention_kwargs(),
+        **batch.attention_kwargs(compiled),
     )
     logits = out.logits  # (R, C, vocab)
     vocab = logits.shape[-1]
     flat = logits.reshape(-1, vocab)
-    truncation = (top_k, top_p) if top_k > 0 or top_p < 1 else None
     chunk = chunk_tokens or max(1, _CHUNK_ELEMENTS // vocab)
     if batch.num_tokens <= chunk:
         # Small enough to materialise at once: plain autograd is faster (no recomputation).
-        x = flat[batch.logit_index].float() / temperature
-        if truncation:
-            x = _keep_sampled(x, truncation_threshold(x, *truncation), batch.target_ids)
-        lse = torch.logsumexp(x, dim=-1)
-        logprobs = x.gather(-1, batch.target_ids[:, None]).squeeze(-1) - lse
-        entropy = _entropy_with_grad(x, lse) if entropy_grad else _entropy(x.detach(), lse.detach())
-        return TokenScores(logprobs, entropy)
+        at_once = _compiled(_scores_at_once) if compiled else _scores_at_once
+        return TokenScores(*at_once(flat, batch.logit_index, batch.target_ids, temperature,
+                                    truncation, entropy_grad))
     logprobs, entropy = _SelectedLogprobs.apply(
-        flat, batch.logit_index, batch.target_ids, temperature, chunk, truncation, entropy_grad
+        flat, batch.logit_index, batch.target_ids, temperature, chunk, truncation, entropy_grad,
+        compiled,
     )
     return TokenScores(logprobs, entropy)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipelinerl.config import Config, EngineConfig, LossConfig, TrainerConfig
-from pipelinerl.parallel import idle_pass, is_sharded
+from pipelinerl.parallel import decoder_layers, idle_pass, is_sharded
+from pipelinerl.rl.compute import computing
 from pipelinerl.rl.advantages import groups_advantages, is_truncated
 from pipelinerl.rl.losses import (
     SUMS,
@@ -27,7 +29,7 @@ from pipelinerl.rl.losses import (
     reinforce_tis_loss,
     tis_clip_active,
 )
-from pipelinerl.rl.packing import PackedBatch, TokenScores, pack, pad, score_tokens
+from pipelinerl.rl.packing import PackedBatch, ScoreMode, TokenScores, pack, pad, score_tokens
 from pipelinerl.samples import Capture
 from pipelinerl.types import Group, Sample
 
@@ -59,11 +61,30 @@ def rl_step(
     norm, `samples` (B), and `LossStats` (ESS, lag, mismatch) over every trained token of
     every rank. `keep_groups`: the first so many of `groups` come back as `scored`, what the
     step computed for each of their samples (`pipelinerl.samples.Capture`, one copy to the host).
-    The forward and backward run in `trainer.precision`.
+    The forward and backward run in `trainer.precision`, on `trainer.compute_dtype` weights,
+    with `trainer.compile`'s compiled layers and loss or `trainer.liger`'s fused kernels.
     """
+    if cfg.trainer.compile:
+        compile_layers(model)
     with arithmetic(cfg.trainer.precision, next(model.parameters()).device):
         return _step(model, optimizer, groups, cfg, trainer_version, num_sequences, ref_model,
                      keep_groups)
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`trainer.compile`: each decoder layer under torch.compile, in place (the parameters'
+    names unchanged), sequence lengths dynamic: one graph for every length, no recompilation
+    per step. The attention of packed rows runs eagerly between the compiled parts
+    (`rl.attention`): one varlen flash-attention call on CUDA, its sequences' lengths host
+    ints. Once per model."""
+    for layer in decoder_layers(getattr(model, "module", model)):
+        if layer._compiled_call_impl is None:
+            layer.compile(dynamic=True)
+
+
+def score_mode(tc: TrainerConfig) -> ScoreMode:
+    """How the step computes its log-probs: `rl.packing.ScoreMode`."""
+    return "liger" if tc.liger else "compiled" if tc.compile else "eager"
 
 
 @contextlib.contextmanager
@@ -90,74 +111,31 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
     if loss_cfg.kl_coef > 0 and ref_model is None:
         raise ValueError("trainer.loss.kl_coef > 0 needs the reference model (ref_model)")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    scoring = _scoring(cfg.engine)
     device = next(model.parameters()).device
-    batches, trained = _batches_with_advantages(model, groups, tc, scoring, device)
+    samples = [s for g in groups for s in g.samples]
+    trained_idx = _trained_indices(samples, loss_cfg)
     capture = None
     if keep_groups:
-        samples = [s for g in groups for s in g.samples]
-        capture = Capture([s for g in groups[:keep_groups] for s in g.samples],
-                          _trained_indices(samples, loss_cfg))
-    if loss_cfg.kind == "reinforce":
-        clip_active = tis_clip_active(loss_cfg.is_clip)
-    else:
-        clip_active = ppo_clip_active(loss_cfg.eps_low, loss_cfg.eps_high)
-    stats = LossStats()
-    bins = length_bins(torch.tensor([len(s.token_ids) for s in trained], dtype=torch.long)).to(device)
-    stats.count_sequences(bins)
-    # Summed on the device and read once after the loop: a GPU step waits for no micro-batch.
-    loss_sum, masked_sum, kl_sum = (torch.zeros((), dtype=torch.float64, device=device)
-                                    for _ in range(3))
-    input_tokens = 0
-    step_log_weights = torch.zeros(sum(b.num_sequences for b in batches), dtype=torch.float64,
-                                   device=device)
-    counted, num_tokens = _step_counts(groups, batches, device)
-    num_samples = num_sequences or counted
-    # The loss's denominator, one constant for the whole step: B, or (token_mean) its tokens.
-    normalizer = float(num_samples if loss_cfg.aggregate == "sum_per_sequence"
-                       else max(1, num_tokens))
+        capture = Capture([s for g in groups[:keep_groups] for s in g.samples], trained_idx)
+    stats = LossStats(lag_range=_lag_range([samples[i] for i in trained_idx], trainer_version))
     optimizer.zero_grad(set_to_none=True)
-    if not batches and world > 1 and not is_sharded(model):
-        idle_pass(model, device, backward=True)  # DDP's gradient all-reduce waits for every rank
-    for _ in range(len(batches), _passes(model, len(batches), device)):
-        _idle_micro_batch(model, ref_model, device)
-    for i, batch in enumerate(batches):
-        batch = batch.to(device)
-        # DDP averages gradients over ranks; the loss is a sum over the whole step, so each
-        # rank's part is scaled back up by the world size.
-        is_last = i == len(batches) - 1
-        sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            scores = score_tokens(model, batch, *scoring, entropy_grad=loss_cfg.entropy_coef > 0)
-            new_lp = scores.logprobs
-            mask = None
-            if loss_cfg.is_mask is not None:
-                mask = importance_mask(new_lp, batch.old_logprobs, *loss_cfg.is_mask)
-                masked_sum += (~mask).sum()
-            loss = _policy_loss(loss_cfg, new_lp, batch, normalizer, mask)
-            loss, k3_sum = _regularized(loss, loss_cfg, scores, batch, normalizer, ref_model,
-                                        scoring)
-            kl_sum += k3_sum
-            (loss * world).backward()
-        loss_sum += loss.detach()
-        input_tokens += batch.num_input_tokens
-        if loss_cfg.ess_lr_scale:
-            _add_log_weights(step_log_weights, batch, new_lp)
-        if capture is not None:
-            capture.add(batches[i], new_lp)  # the host batch: its seq_idx read without a sync
-        stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
-                  clip_active, entropy=scores.entropy, context_versions=batch.context_versions,
-                  bins=bins[batch.seq_idx])
-    totals = dict(zip(("loss", "is_masked", "kl_ref"),
-                      torch.stack([loss_sum, masked_sum, kl_sum]).tolist()))
-    totals["input_tokens"] = float(input_tokens)
+    with computing(model, tc.compute_dtype):
+        passes = _forward_backward(model, groups, cfg, trainer_version, num_sequences,
+                                   ref_model, stats, capture, world, device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     if isinstance(grad_norm, DTensor):  # sharded gradients: the norm over every rank's shard
         grad_norm = grad_norm.full_tensor()
-    lr_scale = _sequence_ess(step_log_weights) ** 0.5 if loss_cfg.ess_lr_scale else 1.0
+    # The step's one read of its sums before the optimizer's step (the non-finite check
+    # needs the norm on the host); LossStats' sums are read once more, after it.
+    values = torch.stack([passes.loss_sum, passes.masked_sum, passes.kl_sum,
+                          grad_norm.to(torch.float64)]).tolist()
+    totals = dict(zip(("loss", "is_masked", "kl_ref"), values[:3]))
+    totals["input_tokens"] = float(passes.input_tokens)
+    norm = values[3]
+    lr_scale = _sequence_ess(passes.log_weights) ** 0.5 if loss_cfg.ess_lr_scale else 1.0
     # A non-finite gradient (the norm is over the synced gradients: every rank agrees) would
     # write NaN into the weights and Adam's moments for good: the step is skipped, counted.
-    finite = bool(torch.isfinite(grad_norm))
+    finite = math.isfinite(norm)
     if finite:
         with _scaled_lr(optimizer, lr_scale):
             optimizer.step()
@@ -171,10 +149,10 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
     tokens = max(1.0, metrics["tokens"])
     return {
         "loss": totals["loss"],
-        "grad_norm": grad_norm.item(),
+        "grad_norm": norm,
         "skipped_nonfinite": int(not finite),
         "input_tokens": int(totals["input_tokens"]),
-        "samples": num_samples,
+        "samples": passes.num_samples,
         "lr": optimizer.param_groups[0]["lr"],
         **metrics,
         **({"is_mask_frac": totals["is_masked"] / tokens} if loss_cfg.is_mask is not None else {}),
@@ -182,6 +160,91 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list
         **({"vcpo_lr_scale": lr_scale} if loss_cfg.ess_lr_scale else {}),
         **({"scored": capture.scored()} if capture is not None else {}),
     }
+
+
+@dataclass
+class _Passes:
+    """What the step's forward and backward passes leave for the optimizer's part: sums on
+    the device, read once."""
+
+    loss_sum: torch.Tensor
+    masked_sum: torch.Tensor
+    kl_sum: torch.Tensor
+    log_weights: torch.Tensor  # per sequence, log w (trainer.loss.ess_lr_scale)
+    input_tokens: int
+    num_samples: int
+
+
+def _forward_backward(model: torch.nn.Module, groups: list[Group], cfg: Config,
+                      trainer_version: int, num_sequences: int | None,
+                      ref_model: torch.nn.Module | None, stats: LossStats,
+                      capture: Capture | None, world: int, device: torch.device) -> _Passes:
+    """Advantages, then each micro-batch's loss and backward, its statistics into `stats`
+    (and `capture`): the gradients of the whole step in the parameters' `.grad`."""
+    tc = cfg.trainer
+    loss_cfg = tc.loss
+    scoring = _scoring(cfg.engine)
+    mode = score_mode(tc)
+    batches, trained = _batches_with_advantages(model, groups, tc, scoring, device, mode)
+    if loss_cfg.kind == "reinforce":
+        clip_active = tis_clip_active(loss_cfg.is_clip)
+    else:
+        clip_active = ppo_clip_active(loss_cfg.eps_low, loss_cfg.eps_high)
+    bins = length_bins(torch.tensor([len(s.token_ids) for s in trained], dtype=torch.long)).to(device)
+    stats.count_sequences(bins)
+    # Summed on the device and read once after the loop: a GPU step waits for no micro-batch.
+    loss_sum, masked_sum, kl_sum = (torch.zeros((), dtype=torch.float64, device=device)
+                                    for _ in range(3))
+    input_tokens = 0
+    step_log_weights = torch.zeros(sum(b.num_sequences for b in batches), dtype=torch.float64,
+                                   device=device)
+    counted, num_tokens = _step_counts(groups, batches, device)
+    num_samples = num_sequences or counted
+    # The loss's denominator, one constant for the whole step: B, or (token_mean) its tokens.
+    normalizer = float(num_samples if loss_cfg.aggregate == "sum_per_sequence"
+                       else max(1, num_tokens))
+    if not batches and world > 1 and not is_sharded(model):
+        idle_pass(model, device, backward=True)  # DDP's gradient all-reduce waits for every rank
+    for _ in range(len(batches), _passes(model, len(batches), device)):
+        _idle_micro_batch(model, ref_model, device)
+    for i, batch in enumerate(batches):
+        batch = batch.to(device)
+        # DDP averages gradients over ranks; the loss is a sum over the whole step, so each
+        # rank's part is scaled back up by the world size.
+        is_last = i == len(batches) - 1
+        sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            scores = score_tokens(model, batch, *scoring, entropy_grad=loss_cfg.entropy_coef > 0,
+                                  mode=mode)
+            new_lp = scores.logprobs
+            mask = None
+            if loss_cfg.is_mask is not None:
+                mask = importance_mask(new_lp, batch.old_logprobs, *loss_cfg.is_mask)
+                masked_sum += (~mask).sum()
+            loss = _policy_loss(loss_cfg, new_lp, batch, normalizer, mask)
+            loss, k3_sum = _regularized(loss, loss_cfg, scores, batch, normalizer, ref_model,
+                                        scoring, mode)
+            kl_sum += k3_sum
+            (loss * world).backward()
+        loss_sum += loss.detach()
+        input_tokens += batch.num_input_tokens
+        if loss_cfg.ess_lr_scale:
+            _add_log_weights(step_log_weights, batch, new_lp)
+        if capture is not None:
+            capture.add(batches[i], new_lp)  # the host batch: its seq_idx read without a sync
+        stats.add(new_lp, batch.old_logprobs, batch.advantages, batch.versions, trainer_version,
+                  clip_active, entropy=scores.entropy, context_versions=batch.context_versions,
+                  bins=bins[batch.seq_idx])
+    return _Passes(loss_sum, masked_sum, kl_sum, step_log_weights, input_tokens, num_samples)
+
+
+def _lag_range(samples: list[Sample], trainer_version: int) -> tuple[int, int] | None:
+    """The lowest and highest lag among the samples' tokens, from the host's versions (so the
+    lag histogram needs no read of the device); None without a token."""
+    versions = [v for s in samples for v in (min(s.versions), max(s.versions)) if s.versions]
+    if not versions:
+        return None
+    return trainer_version - max(versions), trainer_version - min(versions)
 
 
 def _passes(model: torch.nn.Module, n: int, device: torch.device) -> int:
@@ -214,7 +277,7 @@ def _scoring(ec: EngineConfig) -> Scoring:
 
 
 def _batches_with_advantages(model: torch.nn.Module, groups: list[Group], tc: TrainerConfig,
-                             scoring: Scoring, device: torch.device
+                             scoring: Scoring, device: torch.device, mode: ScoreMode
                              ) -> tuple[list[PackedBatch], list[Sample]]:
     """The step's micro-batches of trained samples, each token with its sequence's advantage,
     and those samples (the order the batches' `seq_idx` indexes).
@@ -230,7 +293,8 @@ def _batches_with_advantages(model: torch.nn.Module, groups: list[Group], tc: Tr
     if tc.advantage.baseline == "vcpo":
         # An untrained sample (empty completion, or masked) keeps log w = 0: w = 1.
         log_weights = torch.zeros(len(samples), dtype=torch.float64)
-        log_weights[trained] = _sequence_log_weights(model, batches, len(trained), scoring, device)
+        log_weights[trained] = _sequence_log_weights(model, batches, len(trained), scoring, device,
+                                                     mode)
     advantages = groups_advantages(
         groups, tc.advantage.baseline, tc.advantage.std_normalize,
         truncated=tc.loss.truncated, truncated_reward=tc.loss.truncated_reward,
@@ -246,23 +310,26 @@ def _trained_indices(samples: list[Sample], loss_cfg: LossConfig) -> list[int]:
 
 
 def _batches(samples: list[Sample], tc: TrainerConfig) -> list[PackedBatch]:
-    """Micro-batches of `samples`, advantages still 0 (seq_idx indexes `samples`)."""
-    zeros = torch.zeros(len(samples))
+    """Micro-batches of `samples`, advantages still 0 (seq_idx indexes `samples`): packed rows
+    of `max_tokens_per_row`, or with `tokens_per_microbatch` one varlen row of up to that many
+    tokens a forward."""
+    zeros = [0.0] * len(samples)  # host floats: the packer reads no tensor
     if tc.packing:
-        return pack(samples, zeros, tc.max_tokens_per_row)
+        return pack(samples, zeros, tc.tokens_per_microbatch or tc.max_tokens_per_row)
     return pad(samples, zeros, tc.max_tokens_per_row)
 
 
 def _regularized(loss: torch.Tensor, loss_cfg: LossConfig, scores: TokenScores,
                  batch: PackedBatch, normalizer: float, ref_model: torch.nn.Module | None,
-                 scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor | float]:
+                 scoring: Scoring, mode: ScoreMode) -> tuple[torch.Tensor, torch.Tensor | float]:
     """The micro-batch's loss with the entropy bonus and the KL penalty (each only when its
     coefficient is > 0, on every trained token), and its sum of k3 (0 without the penalty)."""
     if loss_cfg.entropy_coef > 0:
+        assert scores.entropy is not None  # the fused head, which has none, refuses a bonus
         loss = loss - loss_cfg.entropy_coef * scores.entropy.sum() / normalizer
     if loss_cfg.kl_coef == 0:
         return loss, 0.0
-    k3 = reference_k3(scores.logprobs, _reference_logprobs(ref_model, batch, scoring))
+    k3 = reference_k3(scores.logprobs, _reference_logprobs(ref_model, batch, scoring, mode))
     return loss + loss_cfg.kl_coef * k3.sum() / normalizer, k3.detach().sum()
 
 
@@ -274,23 +341,25 @@ def _add_log_weights(log_weights: torch.Tensor, batch: PackedBatch, new_lp: torc
 
 @torch.no_grad()
 def _sequence_log_weights(model: torch.nn.Module, batches: list[PackedBatch], n: int,
-                          scoring: Scoring, device: torch.device) -> torch.Tensor:
+                          scoring: Scoring, device: torch.device, mode: ScoreMode
+                          ) -> torch.Tensor:
     """log w_i = sum over sequence i's tokens of log pi - log mu, under the weights about to be
     trained, from a pass without a graph (the DDP wrapper skipped: nothing to synchronise)."""
     module = getattr(model, "module", model)
     log_weights = torch.zeros(n, dtype=torch.float64, device=device)
     for batch in batches:
         batch = batch.to(device)
-        _add_log_weights(log_weights, batch, score_tokens(module, batch, *scoring).logprobs)
+        _add_log_weights(log_weights, batch,
+                         score_tokens(module, batch, *scoring, mode=mode).logprobs)
     for _ in range(len(batches), _passes(model, len(batches), device)):
         idle_pass(module, device, backward=False)
     return log_weights.cpu()
 
 
 @torch.no_grad()
-def _reference_logprobs(ref_model: torch.nn.Module, batch: PackedBatch, scoring: Scoring
-                        ) -> torch.Tensor:
-    return score_tokens(ref_model, batch, *scoring).logprobs
+def _reference_logprobs(ref_model: torch.nn.Module, batch: PackedBatch, scoring: Scoring,
+                        mode: ScoreMode) -> torch.Tensor:
+    return score_tokens(ref_model, batch, *scoring, mode=mode).logprobs
 
 
 def _sequence_ess(log_weights: torch.Tensor) -> float:
@@ -360,23 +429,26 @@ def _reduce(stats: LossStats, totals: dict[str, float], device: torch.device
     dist.all_reduce(summed)
     by_length = stats.by_length.to(device)
     dist.all_reduce(by_length)
-    lags = _reduce_histogram(stats.lag_counts(), device)
-    out = LossStats(sums=summed[:len(SUMS)], by_length=by_length, lags=[torch.repeat_interleave(
-        torch.tensor(list(lags), dtype=torch.long), torch.tensor(list(lags.values())))])
+    lo, dense = _reduce_histogram(stats.lag_counts(), device)
+    out = LossStats(sums=summed[:len(SUMS)], by_length=by_length,
+                    lag_range=None if dense is None else (lo, lo + dense.numel() - 1),
+                    lag_hist=dense)
     return out, dict(zip(keys, summed[len(SUMS):].tolist()))
 
 
-def _reduce_histogram(counts: dict[int, int], device: torch.device) -> dict[int, int]:
-    """Sum {lag: count} over ranks: agree on the range of lags seen, then add dense bins."""
+def _reduce_histogram(counts: dict[int, int], device: torch.device
+                      ) -> tuple[int, torch.Tensor | None]:
+    """Sum {lag: count} over ranks: agree on the range of lags seen, then add dense bins;
+    (lowest lag, its counts upward), None without a token on any rank."""
     # (max, -min); a rank with no token reports -inf so it does not widen the range.
     bounds = torch.tensor([max(counts), -min(counts)] if counts else [float("-inf")] * 2,
                           dtype=torch.float64, device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
     if not torch.isfinite(bounds).all():
-        return {}
+        return 0, None
     lo, hi = -int(bounds[1].item()), int(bounds[0].item())
     dense = torch.zeros(hi - lo + 1, dtype=torch.float64, device=device)
     for lag, n in counts.items():
         dense[lag - lo] = n
     dist.all_reduce(dense)
-    return {lo + i: int(n) for i, n in enumerate(dense.tolist()) if n}
+    return lo, dense
