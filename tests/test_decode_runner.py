@@ -1,6 +1,6 @@
 """The decode step's model runner (pipelinerl.engine.runner): the graph runner's buckets,
-padding and scratch writes checked without CUDA (`capture=False` runs the very forward a
-graph would capture), and the in-place weight updates captured graphs rely on."""
+padding and scratch writes checked without CUDA (`capture=False` runs the very forward and
+sampling a graph would capture), and the in-place weight updates captured graphs rely on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from pipelinerl.engine import runner as runner_module
 from pipelinerl.engine.runner import EagerRunner, GraphRunner, bucket_of, buckets
 from pipelinerl.engine import EngineOptions
+from pipelinerl.engine.sampling import SamplingPlan, SlotSampler
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.decoder import CausalDecoder, KVCache
 from tiny_models import smollm2_layout
@@ -42,20 +43,44 @@ def _filled_cache(model: CausalDecoder, scratch: bool) -> KVCache:
     return cache
 
 
+def _sampler(model: CausalDecoder) -> SlotSampler:
+    """Every slot's tokens distinct, as running and parked sequences' would be; greedy."""
+    sampler = SlotSampler(CAPACITY, MAX_LEN, model.config.vocab_size, torch.device("cpu"))
+    sampler.tokens.copy_(torch.randint(0, model.config.vocab_size, sampler.tokens.shape,
+                                       generator=torch.Generator().manual_seed(2)))
+    sampler.temperature.zero_()
+    return sampler
+
+
 def test_a_padded_bucketed_step_equals_eager_and_writes_no_sequences_cache() -> None:
     """Batches of 1-7 padded to 1, 2, 4 or 8 rows and spans padded to 64 or 96: the running
-    rows' logits are eager's, and the padding rows write only the scratch position, so slots
-    beyond the running ones (parked sequences) keep their cache."""
+    rows' logits and sampled tokens are eager's, and the padding rows write only the scratch
+    position and the scratch token column, so slots beyond the running ones (parked
+    sequences) keep their cache and tokens."""
     model = _decoder()
     for n, top in ((1, 5), (3, 40), (5, 70), (7, 95), (8, 20)):
         eager_cache, graph_cache = _filled_cache(model, False), _filled_cache(model, True)
-        eager = EagerRunner(model, eager_cache)
-        graph = GraphRunner(model, graph_cache, CAPACITY, MAX_LEN, capture=False)
+        eager_sampler, graph_sampler = _sampler(model), _sampler(model)
+        before = graph_sampler.tokens.clone()
+        eager = EagerRunner(model, eager_cache, eager_sampler)
+        graph = GraphRunner(model, graph_cache, graph_sampler, CAPACITY, MAX_LEN, capture=False)
         positions = torch.linspace(top // 2, top, n).long()
-        ids = torch.arange(n) * 7 % 512
-        want = eager.decode(ids, positions, top + 1)
-        got = graph.decode(ids, positions, top + 1)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ids = eager_sampler.tokens[torch.arange(n), positions]
+        want = model.decode(_filled_cache(model, False), ids, positions, top + 1)
+        want_out = eager.decode(positions, top + 1, SamplingPlan())
+        got_out = graph.decode(positions, top + 1, SamplingPlan())
+        torch.testing.assert_close(graph._logits[:n], want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got_out[:, 0], want_out[:, 0]) and torch.equal(got_out[:, 0], want.argmax(-1).float())
+        torch.testing.assert_close(got_out[:, 1], want_out[:, 1], rtol=1e-5, atol=1e-5)
+        # Eager writes each running row's next token at positions + 1 and nothing else; the
+        # graph the same, and its padding rows theirs into the scratch column only.
+        changed = eager_sampler.tokens != before
+        changed[torch.arange(n), positions + 1] = False
+        assert not changed.any(), f"n={n}: a token outside the step's columns changed"
+        expect = eager_sampler.tokens.clone()
+        batch = bucket_of(n, graph.batch_sizes)
+        expect[n:batch, MAX_LEN] = graph_sampler.tokens[n:batch, MAX_LEN]
+        assert torch.equal(graph_sampler.tokens, expect), f"n={n}"
         written = torch.zeros(CAPACITY, MAX_LEN, dtype=torch.bool)
         written[torch.arange(n), positions] = True
         for e, g in zip((*eager_cache.k, *eager_cache.v), (*graph_cache.k, *graph_cache.v)):
@@ -166,21 +191,38 @@ def _graph_runner(fake: RecordingCuda, monkeypatch) -> GraphRunner:
             (_ for _ in ()).throw(RuntimeError("operation not permitted when stream is capturing"))
             if fake.routing_to_pool else real(*a)))
     monkeypatch.setattr(runner_module, "cuda", fake)
-    return GraphRunner(model, _filled_cache(model, True), CAPACITY, MAX_LEN)
+    return GraphRunner(model, _filled_cache(model, True), _sampler(model), CAPACITY, MAX_LEN)
 
 
 def test_graph_capture_names_the_cache_device_in_every_cuda_call_recording_stand_in(monkeypatch) -> None:
-    """Every bucket captured when the runner is built (none mid-run), each CUDA call naming the
-    cache's device, the thread back on its own stream and the allocator out of the pool."""
+    """Every bucket's forward and every batch's default sampling captured when the runner is
+    built, each CUDA call naming the cache's device, the thread back on its own stream and the
+    allocator out of the pool."""
     fake = RecordingCuda()
     runner = _graph_runner(fake, monkeypatch)
     assert fake.devices and set(fake.devices) == {runner.cache.k[0].device}
-    assert len(runner._graphs) == fake.captures == len(runner.batch_sizes) * len(runner.spans)
+    assert len(runner._graphs) == len(runner.batch_sizes) * len(runner.spans)
+    assert set(runner._sample_graphs) == {(b, SamplingPlan()) for b in runner.batch_sizes}
+    assert fake.captures == len(runner._graphs) + len(runner._sample_graphs)
     assert fake.streams == [fake.own] and not fake.routing_to_pool
-    # One static logits buffer for every bucket: a step's logits are views of it.
-    out = runner.decode(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), 7)
-    assert out.shape == (3, runner.model.config.vocab_size)
-    assert out.data_ptr() == runner._logits.data_ptr()
+    # One static buffer for every bucket's sampled tokens: a step's are views of it.
+    out = runner.decode(torch.tensor([4, 5, 6]), 7, SamplingPlan())
+    assert out.shape == (3, 2) and out.data_ptr() == runner._out.data_ptr()
+
+
+def test_a_plan_first_met_mid_run_is_captured_once_and_a_sized_one_never_recording_stand_in(
+        monkeypatch) -> None:
+    fake = RecordingCuda()
+    runner = _graph_runner(fake, monkeypatch)
+    captured = fake.captures
+    penalised = SamplingPlan(penalise=True)
+    for _ in range(3):
+        runner.decode(torch.tensor([4, 5, 6]), 7, penalised)
+    assert fake.captures == captured + 1 and runner._sample_graphs[4, penalised] is not None
+    sized = SamplingPlan(truncate=True, top_p=True, sized=True)
+    runner.decode(torch.tensor([4, 5, 6]), 7, sized)
+    assert fake.captures == captured + 1 and (4, sized) not in runner._sample_graphs
+    assert set(fake.devices) == {runner.cache.k[0].device} and fake.streams == [fake.own]
 
 
 def test_a_failed_capture_leaves_the_thread_on_its_stream_and_the_engine_eager_recording_stand_in(
@@ -189,8 +231,9 @@ def test_a_failed_capture_leaves_the_thread_on_its_stream_and_the_engine_eager_r
     runner = _graph_runner(fake, monkeypatch)
     assert fake.streams == [fake.own], "left on the capture stream"
     assert not fake.routing_to_pool, "the allocator still routes to the graph pool"
-    assert not runner.capture and not runner._graphs
-    eager = EagerRunner(runner.model, _filled_cache(runner.model, False))
-    ids, positions = torch.tensor([5, 9]), torch.tensor([10, 30])
-    torch.testing.assert_close(runner.decode(ids, positions, 31), eager.decode(ids, positions, 31),
-                               rtol=1e-5, atol=1e-5)
+    assert not runner.capture and not runner._graphs and not runner._sample_graphs
+    eager = EagerRunner(runner.model, _filled_cache(runner.model, False), _sampler(runner.model))
+    positions = torch.tensor([10, 30])
+    got, want = runner.decode(positions, 31, SamplingPlan()), eager.decode(positions, 31, SamplingPlan())
+    assert torch.equal(got[:, 0], want[:, 0])
+    torch.testing.assert_close(got[:, 1], want[:, 1], rtol=1e-5, atol=1e-5)

@@ -1,7 +1,8 @@
 """Checked on the CPU, what would sync or copy on a GPU: a decode step whose requests use
 min_p or the repetition penalty reads no more device values and copies no more host data to
 the device than one whose requests do not (issue 41: the host `_min_p` mirror copied every
-step, a `bool()` of a device min_p, the lengths copied again for the penalty).
+step, a `bool()` of a device min_p, the lengths copied again for the penalty), and since issue
+54 a decode step reads no device value at all, whatever its requests ask.
 
 On the CPU every tensor is a host tensor, so a mode follows, by storage, which ones would
 live on the device: those made with an explicit `device=` (the engine's device-side buffers,
@@ -9,7 +10,7 @@ the KV cache, the weights) or moved there with `.to(device)` (a copy here too, a
 and whatever is computed from one of them; the engine's host mirrors (`_len`, `_penalised`,
 ...) and what is computed from them alone stay on the host. It counts, by call and
 pipelinerl's line, a sync where a device value is read on the host and a copy where host data
-goes to the device."""
+goes to the device or device data into a host tensor."""
 
 from __future__ import annotations
 
@@ -107,16 +108,17 @@ def _where() -> str:
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
-def _decode_step(params: list[SamplingParams]) -> DeviceSide:
+def _decode_step(params: list[SamplingParams], late: bool = False) -> DeviceSide:
     """The mode's counts over one decode step of requests under `params`, the mode on from the
     engine's construction (so that it knows which buffers the engine made on its device)."""
     hf = tiny_hf_model("qwen2")
     with DeviceSide() as mode:
-        engine = TorchEngine(hf.config, EngineOptions(capacity=len(params), max_seq_len=64))
+        engine = TorchEngine(hf.config, EngineOptions(capacity=len(params), max_seq_len=64,
+                                                      late_stop_check=late))
         engine.load_weights(hf.state_dict(), version=0)
         for i, p in enumerate(params):
             engine.add_request(GenerationRequest(f"r{i}", [1 + i, 2, 3, 4, 5], p))
-        engine.step()  # admission and the first token
+        engine.step()  # admission, the first token and (reading late) one step in flight
         assert mode.on_device(engine._tokens) and not mode.on_device(engine._len)
         mode.syncs.clear()
         mode.copies.clear()
@@ -143,7 +145,18 @@ def test_min_p_and_penalty_add_no_gpu_sync_or_copy_per_decode_step_checked_on_cp
         used.syncs - base.syncs, used.copies - base.copies)
 
 
-def test_a_penalised_decode_step_reads_only_its_stop_check_checked_on_cpu() -> None:
-    """The engine's one read a step (the stop check), whatever the penalty."""
-    assert [name for name, _ in _decode_step([PLAIN, replace(PLAIN, repetition_penalty=1.3)])
-            .syncs.elements()] == ["cpu"]
+@pytest.mark.parametrize("late", [False, True], ids=["at_once", "late"])
+@pytest.mark.parametrize("params", [[PLAIN] * 4, [TOP_K] * 4, [replace(PLAIN, top_p=0.9)] * 4, [
+    replace(TOP_K, top_p=0.8, min_p=0.05, repetition_penalty=1.3), PLAIN,
+    replace(PLAIN, temperature=0.0, repetition_penalty=0.8, seed=3), replace(TOP_K, seed=4)]],
+    ids=["plain", "top_k", "top_p", "mixed"])
+def test_a_decode_step_reads_no_device_value_and_copies_positions_in_and_tokens_out_checked_on_cpu(
+        params: list[SamplingParams], late: bool) -> None:
+    """Issue 54: the sampling reads nothing from the device (the candidates of top-k and
+    top-p sized on the host: 2 reads a step before), and the stop check reads the one copy of
+    the sampled tokens (a device read before: `.cpu()` of the stop flags). The copy's wait is
+    the step's only one on a GPU, reading at once; reading late, it is for the step before
+    (tests/test_decode_in_graph.py)."""
+    mode = _decode_step(params, late)
+    assert not mode.syncs, mode.syncs
+    assert sorted(name for name, _ in mode.copies.elements()) == ["mixed copy_", "to"], mode.copies

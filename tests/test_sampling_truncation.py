@@ -23,11 +23,11 @@ from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
 from pipelinerl.engine import sampling
 from pipelinerl.engine.sampling import truncation_threshold
 from pipelinerl.engine import EngineOptions
-from pipelinerl.engine.sampling import sample_tokens
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.packing import pack, pad, score_tokens
 from pipelinerl.rl.step import rl_step
 from pipelinerl.types import GenerationRequest, Group, Sample, SamplingParams
+from slot_sampling import sample_rows
 
 torch.set_num_threads(1)
 
@@ -197,9 +197,10 @@ def test_a_row_with_its_own_generator_draws_the_same_whatever_shares_the_batch()
         own = torch.Generator().manual_seed(11)  # the row's seed
         tokens = []
         for _ in range(20):
-            t, _ = sample_tokens(logits[rows], torch.ones(len(rows)), torch.zeros(len(rows)),
-                                 torch.ones(len(rows)), torch.Generator().manual_seed(shared_seed),
-                                 truncate=False, own_generators=[(len(rows) - 1, own)])
+            t, _ = sample_rows(logits[rows], torch.ones(len(rows)),
+                               torch.zeros(len(rows), dtype=torch.long), torch.ones(len(rows)),
+                               torch.Generator().manual_seed(shared_seed),
+                               own_generators=[(len(rows) - 1, own)])
             tokens.append(int(t[-1]))
         return tokens
 
@@ -226,14 +227,8 @@ def test_engine_samples_every_tied_token_with_its_renormalised_logprob() -> None
     n = 4000
     logits = torch.full((n, 8), -1.0)
     logits[:, [1, 4, 6]] = 2.0  # three tokens tie for the top; top_k = 2 keeps all three
-    tokens, logprobs = sample_tokens(
-        logits,
-        torch.ones(n),
-        torch.full((n,), 2),
-        torch.ones(n),
-        torch.Generator().manual_seed(0),
-        truncate=True,
-    )
+    tokens, logprobs = sample_rows(logits, torch.ones(n), torch.full((n,), 2), torch.ones(n),
+                                   torch.Generator().manual_seed(0))
     counts = torch.bincount(tokens, minlength=8)
     assert counts[[0, 2, 3, 5, 7]].sum() == 0
     assert (counts[[1, 4, 6]] > n / 4).all()
@@ -242,9 +237,9 @@ def test_engine_samples_every_tied_token_with_its_renormalised_logprob() -> None
 
 def test_greedy_rows_are_not_truncated() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
-    tokens, logprobs = sample_tokens(
+    tokens, logprobs = sample_rows(
         logits, torch.tensor([0.0, 1.0]), torch.tensor([1, 1]), torch.tensor([0.5, 0.5]),
-        torch.Generator().manual_seed(0), truncate=True,
+        torch.Generator().manual_seed(0),
     )
     assert tokens.tolist() == [0, 0]
     raw = logits[0].log_softmax(-1)[0]

@@ -23,8 +23,9 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class EngineOptions:
     """An engine's construction options, passed whole to every backend (the vLLM backend
-    ignores `device`, `max_prefill_tokens` and `cuda_graphs`). `make_engine` fills them from
-    the `engine` config section; tests state only what they change."""
+    ignores `device`, `max_prefill_tokens`, `cuda_graphs` and `late_stop_check`).
+    `make_engine` fills them from the `engine` config section; tests state only what they
+    change."""
 
     capacity: int  # sequences in flight
     max_seq_len: int  # prompt plus generated tokens, all turns
@@ -34,6 +35,9 @@ class EngineOptions:
     seed: int = 0
     max_prefill_tokens: int = 8192  # padded tokens of one prefill forward (torch engine)
     cuda_graphs: bool = True  # replay the torch engine's decode step from CUDA graphs on CUDA
+    # Read a decode step's sampled tokens (the stop check) one step late, after launching the
+    # next (torch engine); None: on CUDA, where reading them at once waits for the device.
+    late_stop_check: bool | None = None
 
 
 class Engine(Protocol):

@@ -4,9 +4,19 @@ and samples; every forward over the KV cache runs in its model runner (`engine.r
 
 Running sequences live packed in slots 0..num_running-1; a finished sequence's slot is refilled
 by swapping the last running one into it, so each decode step is one batched forward over
-exactly the running sequences. All per-token state (tokens, log-probs, versions, sampling
-parameters) sits in per-slot tensors on the device; the hot loop touches Python per sequence
+exactly the running sequences. The tokens the model reads and the sampling parameters sit in
+per-slot tensors on the device (`SlotSampler`); what the host decides by (lengths, stops, the
+tokens, log-probs and versions an output returns) in host tensors, filled from one copy per
+step of the sampled tokens and their log-probs. The hot loop touches Python per sequence
 only when one finishes.
+
+The stop check (stop tokens, stop sequences, stop strings, max_new_tokens) reads that copy.
+On CUDA it reads it one step late (`late_stop_check`): a step launches the next decode before
+it reads the previous one's tokens, so the host never waits for the device in steady state. A
+sequence found finished then has decoded one token too many; that token is dropped (never
+returned, counted or stamped), so the outputs are what reading at once gives: the same tokens,
+log-probs and versions for greedy and seeded requests, the same distribution for the others
+(the extra row draws noise from the engine's generator).
 
 Multi-turn (held requests): a sequence whose turn ends is parked in a slot beyond the running
 ones with its KV cache, decoded no more, until `extend` appends the environment's tokens (a
@@ -19,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -27,7 +37,7 @@ import torch
 
 from pipelinerl.engine.base import EngineOptions, ReceiveFn, torch_dtype
 from pipelinerl.engine.runner import make_runner
-from pipelinerl.engine.sampling import StopMatcher, apply_repetition_penalty, sample_tokens
+from pipelinerl.engine.sampling import SamplingPlan, SlotSampler, StopMatcher
 from pipelinerl.models.decoder import CausalDecoder, load_pretrained
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
 
@@ -48,6 +58,42 @@ class EngineStats:
     finished_requests: int = 0
     weight_updates: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V were recomputed after weight updates
+
+
+@dataclass
+class _Sampled:
+    """Tokens sampled for slots start..end-1, on their way to the host: `values` (rows, 2)
+    float32 (token, log-prob), filled by a copy that has run once `event` has (None: a copy
+    that ran at once, on the CPU)."""
+
+    values: torch.Tensor
+    event: torch.cuda.Event | None
+    version: int  # of the weights that sampled them
+    start: int
+    end: int
+    # Per slot (capacity,): the row of `values` holding the token of the sequence now in that
+    # slot; -1 for none, or for a token dropped (its sequence finished before it was read).
+    # Moved with the slots; None while row i is still slot start + i (steady state).
+    rows: torch.Tensor | None = None
+    # By id: a request's own generator and its state before this step drew from it, to undo
+    # the draw of a token dropped (so that its next turn draws what reading at once would).
+    drawn: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+
+    def slot_rows(self, capacity: int) -> torch.Tensor:
+        """`rows`, made first if it is not yet, for a change."""
+        if self.rows is None:
+            self.rows = torch.full((capacity,), -1, dtype=torch.long)
+            self.rows[self.start : self.end] = torch.arange(self.end - self.start)
+        return self.rows
+
+    def drop(self, slots: torch.Tensor, generators: list[torch.Generator | None], capacity: int) -> None:
+        """Drop the tokens of the sequences in `slots` (host), undoing their own draws."""
+        rows = self.slot_rows(capacity)
+        for slot in slots[rows[slots] >= 0].tolist():
+            own = generators[slot]
+            if own is not None and id(own) in self.drawn:
+                own.set_state(self.drawn[id(own)][1])
+        rows[slots] = -1
 
 
 class TorchEngine:
@@ -71,8 +117,17 @@ class TorchEngine:
         self.max_prefill_tokens = options.max_prefill_tokens
         self.stats = EngineStats()
         self._capacity = capacity
-        self._runner = make_runner(self.model, capacity, max_seq_len,
+        vocab = self.model.config.vocab_size
+        self._sampler = SlotSampler(capacity, max_seq_len, vocab, self.device)
+        self._runner = make_runner(self.model, self._sampler, capacity, max_seq_len,
                                    options.cuda_graphs and self.device.type == "cuda")
+        self._late = (self.device.type == "cuda" if options.late_stop_check is None
+                      else options.late_stop_check)
+        self._in_flight: _Sampled | None = None  # the decode step launched, not read yet
+        self._ready: list[GenerationOutput] = []  # found finished between two steps
+        # The running batch's (size, plan, longest length), kept while it only decodes, so
+        # that a steady-state step reads nothing to launch; None when it changes.
+        self._batch: tuple[int, SamplingPlan, int] | None = None
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(options.seed)
         self._queue: deque[GenerationRequest] = deque()
@@ -86,20 +141,23 @@ class TorchEngine:
         # order; parked (held, between two turns) and free slots follow.
         self._num_running = 0
         self._requests: list[GenerationRequest | None] = [None] * capacity
-        dev = self.device
-        self._tokens = torch.zeros(capacity, max_seq_len, dtype=torch.long, device=dev)  # prompt + generated
-        self._logprobs = torch.zeros(capacity, max_seq_len, dtype=torch.float32, device=dev)
-        self._versions = torch.zeros(capacity, max_seq_len, dtype=torch.long, device=dev)
-        self._temperature = torch.ones(capacity, dtype=torch.float32, device=dev)
-        self._top_k = torch.zeros(capacity, dtype=torch.long, device=dev)
-        self._top_p = torch.ones(capacity, dtype=torch.float32, device=dev)
-        self._min_p = torch.zeros(capacity, dtype=torch.float32, device=dev)
-        self._penalty = torch.ones(capacity, dtype=torch.float32, device=dev)  # repetition
-        self._stop_ids = torch.full((capacity, 1), -1, dtype=torch.long, device=dev)  # -1 pads
+        self._tokens = self._sampler.tokens  # on the device: prompt + generated, what the model reads
+        # On the host: what the stop check and the outputs read. The tokens, log-probs and
+        # versions of positions [0, _known) (the prompt, then each sampled token once its
+        # copy has arrived); positions [_known, _len) are sampled, still on their way.
+        self._host_tokens = torch.zeros(capacity, max_seq_len, dtype=torch.long)
+        self._host_logprobs = torch.zeros(capacity, max_seq_len, dtype=torch.float32)
+        self._host_versions = torch.zeros(capacity, max_seq_len, dtype=torch.long)
+        self._known = torch.zeros(capacity, dtype=torch.long)
+        self._stop_ids = torch.full((capacity, 1), -1, dtype=torch.long)  # -1 pads
         # Stop sequences, right-aligned, -1 on the left matches anything: (capacity, S, W).
-        self._stop_seqs = torch.full((capacity, 0, 0), -1, dtype=torch.long, device=dev)
-        # Host-side mirrors drive lengths and length limits without syncing with the device.
+        self._stop_seqs = torch.full((capacity, 0, 0), -1, dtype=torch.long)
+        # Host-side mirrors drive lengths, length limits and the sampling plan without syncing
+        # with the device.
         self._len = torch.zeros(capacity, dtype=torch.long)  # tokens in the sequence; the last is not yet in the cache
+        self._temperature = torch.ones(capacity, dtype=torch.float32)
+        self._top_k = torch.zeros(capacity, dtype=torch.long)
+        self._top_p = torch.ones(capacity, dtype=torch.float32)
         self._turn_start = torch.zeros(capacity, dtype=torch.long)  # where this turn's generated tokens begin
         self._max_new = torch.zeros(capacity, dtype=torch.long)
         self._truncates = torch.zeros(capacity, dtype=torch.bool)  # uses top-k, top-p or min-p
@@ -125,7 +183,7 @@ class TorchEngine:
     def num_active(self) -> int:
         """Requests accepted and not yet returned or released: running, parked and queued, so
         that an actor topping the engine up to `capacity` does not overfill it."""
-        return self._num_running + self.num_parked() + len(self._queue)
+        return self._num_running + self.num_parked() + len(self._queue) + len(self._ready)
 
     def num_running(self) -> int:
         return self._num_running
@@ -219,22 +277,20 @@ class TorchEngine:
         with self._lock, torch.no_grad():
             if self._update_failed:
                 raise RuntimeError("a weight update failed part-way: the engine holds a mix of two versions")
-            finished: list[GenerationOutput] = []
+            finished, self._ready = self._ready, []
             if self._extends:
-                start = self._num_running
-                self._resume()
-                finished += self._collect_finished(start)
+                finished += self._resume()
             if self._queue and self._num_running + self.num_parked() < self._capacity:
-                start = self._num_running
-                self._admit()
-                finished += self._collect_finished(start)
+                finished += self._admit()
             if self._num_running:
-                self._decode()
-                finished += self._collect_finished(0)
+                finished += self._decode()
+            elif self._in_flight is not None:  # every sequence it decoded has finished since
+                finished += self._take(self._in_flight)
             return finished
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         with self._lock:
+            self._settle()
             self.model.load_hf_weights(weights)  # checks every name and shape before copying
             self._mark_updated(version)
 
@@ -242,6 +298,7 @@ class TorchEngine:
         """See `Engine.receive_weights`. The targets are the model's own parameters by HF name;
         with tied embeddings `lm_head.weight` and `model.embed_tokens.weight` are one tensor."""
         with self._lock:
+            self._settle()
             self._update_failed = True  # until `receive` returns: a failed copy may have been partial
             targets = {name: p.data for name, p in self.model.named_parameters(remove_duplicate=False)}
             version = receive(targets)
@@ -250,6 +307,13 @@ class TorchEngine:
         return version
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Read the decode step still on its way before new weights land: it ran with the old
+        ones (which the device must be done with before they are overwritten, whatever stream
+        the new ones come on), and a sequence it finished must not decode under the new."""
+        if self._in_flight is not None:
+            self._ready += self._take(self._in_flight)
 
     def _mark_updated(self, version: int) -> None:
         self.version = version
@@ -262,11 +326,11 @@ class TorchEngine:
                 self._prefill(0, self._num_running, self._len[: self._num_running] - 1)
             self.stats.recomputed_tokens += int(self._len[: self._num_running].sum()) - self._num_running
 
-    def _admit(self) -> None:
-        """Move queued requests into free slots and prefill them. Requests admitted together
-        with the same prompt (a group's attempts) share one prefill: the first is computed,
-        the others get a copy of its K/V and its last logits, which is what computing each
-        would give (same tokens at the same positions)."""
+    def _admit(self) -> list[GenerationOutput]:
+        """Move queued requests into free slots and prefill them; return those their first
+        token finishes. Requests admitted together with the same prompt (a group's attempts)
+        share one prefill: the first is computed, the others get a copy of its K/V and its last
+        logits, which is what computing each would give (same tokens at the same positions)."""
         start = self._num_running
         free = [s for s in range(start, self._capacity)
                 if self._requests[s] is None][: len(self._queue)]
@@ -295,19 +359,23 @@ class TorchEngine:
             self._runner.move_kv(src, torch.arange(computed, self._num_running, device=self.device),
                              int(lengths[computed - start :].max()))
             logits = torch.cat([logits, logits[src - start]])
-        self._sample_into(start, self._num_running, logits)
+        return self._sample_into(start, self._num_running, logits)
 
     def _place(self, slot: int, request: GenerationRequest) -> None:
         p: SamplingParams = request.params
         n = len(request.prompt_ids)
         self._requests[slot] = request
-        self._tokens[slot, :n] = torch.tensor(request.prompt_ids, dtype=torch.long)
-        self._temperature[slot] = p.temperature
-        self._top_k[slot] = p.top_k
-        self._top_p[slot] = p.top_p
-        self._min_p[slot] = p.min_p
+        prompt = torch.tensor(request.prompt_ids, dtype=torch.long)
+        self._tokens[slot, :n] = prompt
+        self._host_tokens[slot, :n] = prompt
+        self._known[slot] = n
+        sampler = self._sampler
+        sampler.temperature[slot] = self._temperature[slot] = p.temperature
+        sampler.top_k[slot] = self._top_k[slot] = p.top_k
+        sampler.top_p[slot] = self._top_p[slot] = p.top_p
+        sampler.min_p[slot] = p.min_p
         self._uses_min_p[slot] = p.min_p > 0
-        self._penalty[slot] = p.repetition_penalty
+        sampler.penalty[slot] = p.repetition_penalty
         self._penalised[slot] = p.repetition_penalty != 1
         self._generators[slot] = None
         if p.seed is not None:
@@ -315,7 +383,7 @@ class TorchEngine:
             self._generators[slot].manual_seed(p.seed)
         stops = p.stop_token_ids
         if len(stops) > self._stop_ids.shape[1]:
-            pad = torch.full((self._capacity, len(stops) - self._stop_ids.shape[1]), -1, dtype=torch.long, device=self.device)
+            pad = torch.full((self._capacity, len(stops) - self._stop_ids.shape[1]), -1, dtype=torch.long)
             self._stop_ids = torch.cat([self._stop_ids, pad], dim=1)
         self._stop_ids[slot] = -1
         if stops:
@@ -325,17 +393,17 @@ class TorchEngine:
 
     def _set_turn(self, slot: int, p: SamplingParams) -> None:
         """A turn starts at the slot's current length, generating under `p`."""
+        self._batch = None
         self._turn_start[slot] = self._len[slot]
         self._max_new[slot] = p.max_new_tokens
         self._truncates[slot] = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)
-        self._matchers[slot] = (StopMatcher(p.stop, self._tokens[slot, : int(self._len[slot])].tolist())
+        self._matchers[slot] = (StopMatcher(p.stop, self._host_tokens[slot, : int(self._len[slot])].tolist())
                                 if p.stop else None)
         seqs = p.stop_sequences
         width = max((len(q) for q in seqs), default=0)
         if len(seqs) > self._stop_seqs.shape[1] or width > self._stop_seqs.shape[2]:
             grown = torch.full((self._capacity, max(len(seqs), self._stop_seqs.shape[1]),
-                                max(width, self._stop_seqs.shape[2])), -1, dtype=torch.long,
-                               device=self.device)
+                                max(width, self._stop_seqs.shape[2])), -1, dtype=torch.long)
             old = self._stop_seqs
             grown[:, : old.shape[1], grown.shape[2] - old.shape[2]:] = old
             self._stop_seqs = grown
@@ -344,11 +412,11 @@ class TorchEngine:
         for i, q in enumerate(seqs):
             self._stop_seqs[slot, i, w - len(q):] = torch.tensor(q, dtype=torch.long)
 
-    def _resume(self) -> None:
+    def _resume(self) -> list[GenerationOutput]:
         """Start the next turn of the held sequences `extend` asked for: bring them back into
         the active slots, append the environment's tokens and compute only those (all of the
         sequence if a weight update asked for recomputed K/V while it waited), then sample
-        the turn's first token."""
+        the turn's first token; return those it finishes."""
         start = self._num_running
         items = list(self._extends)
         self._extends.clear()
@@ -358,16 +426,18 @@ class TorchEngine:
             slot = start + i
             length, k = int(self._len[slot]), len(token_ids)
             if k:
-                self._tokens[slot, length : length + k] = torch.tensor(token_ids, dtype=torch.long)
+                new = torch.tensor(token_ids, dtype=torch.long)
+                self._tokens[slot, length : length + k] = new
+                self._host_tokens[slot, length : length + k] = new
             # The turn's last token was never fed: it goes in with the new ones.
             feed_from[i] = 0 if self._stale[slot] else length - 1
-            self._len[slot] = length + k
+            self._len[slot] = self._known[slot] = length + k
             self._set_turn(slot, params)
             self._parked[slot] = self._stale[slot] = False
             self.stats.extended_tokens += k
         self._num_running += len(items)
         lengths = self._len[start : self._num_running] - feed_from
-        self._sample_into(start, self._num_running, self._extend_cache(start, feed_from, lengths))
+        return self._sample_into(start, self._num_running, self._extend_cache(start, feed_from, lengths))
 
     def _extend_cache(self, start: int, feed_from: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Feed tokens [feed_from[i], feed_from[i] + lengths[i]) of slots start.. into the
@@ -396,68 +466,114 @@ class TorchEngine:
             lo = hi
         return torch.cat(logits)
 
-    def _decode(self) -> None:
+    def _decode(self) -> list[GenerationOutput]:
+        """Launch a decode step over the running sequences; return those finished by the
+        tokens it reads: its own, or, reading late, the previous step's (launched before it, so
+        the device has the new step queued while the host reads)."""
         n = self._num_running
-        positions = (self._len[:n] - 1).to(self.device)
-        rows = torch.arange(n, device=self.device)
-        logits = self._runner.decode(self._tokens[rows, positions], positions, int(self._len[:n].max()))
-        self._sample_into(0, n, logits)
+        if self._batch is None or self._batch[0] != n:
+            self._batch = (n, self._plan(0, n), int(self._len[:n].max()))
+        _, plan, longest = self._batch
+        drawn = self._draw(0, n, keep_states=self._late)
+        out = self._runner.decode(self._len[:n] - 1, longest, plan)
+        self._len[:n] += 1
+        self._batch = (n, plan, longest + 1)
         self.stats.decode_steps += 1
+        sampled = self._send(out, 0, n, drawn)
+        if not self._late:
+            return self._take(sampled)
+        previous, self._in_flight = self._in_flight, sampled
+        return self._take(previous) if previous is not None else []
 
-    def _sample_into(self, start: int, end: int, logits: torch.Tensor) -> None:
-        """Sample the next token of slots start..end-1 and append it with its log-prob/version."""
-        logits = logits.float()
-        # The lengths go to the device once; which rows use what, the host mirrors say (no sync).
-        cols = self._len[start:end].to(self.device)
-        if self._penalised[start:end].any():
-            width = int(self._len[start:end].max())
-            logits = apply_repetition_penalty(logits, self._tokens[start:end, :width], cols,
-                                              self._penalty[start:end])
-        tokens, logprobs = sample_tokens(
-            logits,
-            self._temperature[start:end],
-            self._top_k[start:end],
-            self._top_p[start:end],
-            self._generator,
-            bool(self._truncates[start:end].any()),
-            self._min_p[start:end] if self._uses_min_p[start:end].any() else 0.0,
-            [(i, g) for i, g in enumerate(self._generators[start:end]) if g is not None]
-            if any(self._generators[start:end]) else (),
-        )
-        rows = torch.arange(start, end, device=self.device)
-        self._tokens[rows, cols] = tokens
-        self._logprobs[rows, cols] = logprobs
-        self._versions[rows, cols] = self.version
+    def _sample_into(self, start: int, end: int, logits: torch.Tensor) -> list[GenerationOutput]:
+        """Sample the next token of slots start..end-1 from their `logits` (a prefill's or an
+        extension's: read at once) and return the sequences it finishes."""
+        cols = self._len[start:end]
+        self._draw(start, end)
+        out = self._sampler.sample(logits.float(), start, end, cols.to(self.device),
+                                   self._plan(start, end), int(cols.max()))
         self._len[start:end] += 1
-        self.stats.generated_tokens += end - start
+        return self._take(self._send(out, start, end))
 
-    def _collect_finished(self, start: int) -> list[GenerationOutput]:
-        """Return the sequences among slots start..num_running-1 whose last token is a stop token, that
-        end with a stop sequence or that reached their turn's max_new_tokens; free their slots
-        or, for held requests, park them (one device sync)."""
-        n = self._num_running
-        rows = torch.arange(start, n, device=self.device)
-        last = self._tokens[rows, (self._len[start:n] - 1).to(self.device)]
-        stopped = (last.unsqueeze(1) == self._stop_ids[start:n]).any(dim=1)
+    def _plan(self, start: int, end: int) -> SamplingPlan:
+        return SamplingPlan.of(self._temperature[start:end], self._top_k[start:end],
+                               self._top_p[start:end], self._truncates[start:end],
+                               self._penalised[start:end], self._uses_min_p[start:end],
+                               self.model.config.vocab_size)
+
+    def _draw(self, start: int, end: int, keep_states: bool = False
+              ) -> dict[int, tuple[torch.Generator, torch.Tensor]]:
+        """The noise of slots start..end-1: the engine's generator, a request's own for its
+        row; with `keep_states`, return each own generator's state before (`_Sampled.drawn`)."""
+        own = ([(i, g) for i, g in enumerate(self._generators[start:end]) if g is not None]
+               if any(self._generators[start:end]) else ())
+        states = {id(g): (g, g.get_state()) for _, g in own} if keep_states else {}
+        self._sampler.draw(start, end, self._generator, own)
+        return states
+
+    def _send(self, out: torch.Tensor, start: int, end: int,
+              drawn: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None) -> _Sampled:
+        """Start the copy of `out` (slots start..end-1's tokens and log-probs) to the host."""
+        cuda = self.device.type == "cuda"
+        values = torch.empty(out.shape, dtype=out.dtype, pin_memory=cuda)
+        values.copy_(out, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return _Sampled(values, event, self.version, start, end, drawn=drawn or {})
+
+    def _take(self, sampled: _Sampled) -> list[GenerationOutput]:
+        """Append the tokens of `sampled` to the host's copy of their sequences (waiting for
+        its copy if it has not arrived) and return the sequences they finish."""
+        if sampled is self._in_flight:
+            self._in_flight = None
+        if sampled.event is not None:
+            sampled.event.synchronize()
+        if sampled.rows is None:
+            slots, values = torch.arange(sampled.start, sampled.end), sampled.values
+        else:
+            slots = (sampled.rows >= 0).nonzero().flatten()
+            values = sampled.values[sampled.rows[slots]]
+        tokens = values[:, 0].long()
+        cols = self._known[slots]
+        self._host_tokens[slots, cols] = tokens
+        self._host_logprobs[slots, cols] = values[:, 1].float()
+        self._host_versions[slots, cols] = sampled.version
+        self._known[slots] += 1
+        self.stats.generated_tokens += len(slots)
+        return self._collect_finished(slots, tokens)
+
+    def _collect_finished(self, slots: torch.Tensor, last: torch.Tensor) -> list[GenerationOutput]:
+        """Return the sequences in `slots` (running, host) whose last token `last` is a stop
+        token, that end with a stop sequence or stop string, or that reached their turn's
+        max_new_tokens; free their slots or, for held requests, park them. Whatever was
+        sampled past their end (reading late: the step launched since) is dropped."""
+        stopped = (last.unsqueeze(1) == self._stop_ids[slots]).any(dim=1)
         if self._stop_seqs.shape[1]:
-            stopped |= self._ends_with_stop_sequence(start, rows)
-        stopped = stopped.cpu()
-        if any(self._matchers[start:n]):
+            stopped |= self._ends_with_stop_sequence(slots)
+        if any(self._matchers):
             lasts = last.tolist()
-            for i, matcher in enumerate(self._matchers[start:n]):
+            for i, slot in enumerate(slots.tolist()):
+                matcher = self._matchers[slot]
                 if matcher is not None and matcher.feed(lasts[i]) is not None:
                     stopped[i] = True
-        full = self._len[start:n] - self._turn_start[start:n] >= self._max_new[start:n]
+        full = self._known[slots] - self._turn_start[slots] >= self._max_new[slots]
         done = (stopped | full).nonzero().flatten()
         if not len(done):
             return []
-        slots = (done + start).tolist()
+        finished, stopped = slots[done], stopped[done].tolist()
+        self._len[finished] = self._known[finished]
+        if self._in_flight is not None:
+            self._in_flight.drop(finished, self._generators, self._capacity)
+        self._batch = None
+        slots = finished.tolist()
         outputs = []
-        # One transfer for the finished rows, then plain Python per finished sequence.
-        width = int(self._len[slots].max())
-        tokens = self._tokens[slots, :width].tolist()
-        logprobs = self._logprobs[slots, :width].tolist()
-        versions = self._versions[slots, :width].tolist()
+        # One slice of the host copies for the finished rows, then plain Python per sequence.
+        width = int(self._len[finished].max())
+        tokens = self._host_tokens[finished, :width].tolist()
+        logprobs = self._host_logprobs[finished, :width].tolist()
+        versions = self._host_versions[finished, :width].tolist()
         for i, slot in enumerate(slots):
             request = self._requests[slot]
             lo, hi = int(self._turn_start[slot]), int(self._len[slot])
@@ -468,7 +584,7 @@ class TorchEngine:
                     token_ids=tokens[i][lo:hi],
                     logprobs=logprobs[i][lo:hi],
                     versions=versions[i][lo:hi],
-                    finish_reason="stop" if stopped[slot - start] else "length",
+                    finish_reason="stop" if stopped[i] else "length",
                 )
             )
         held = [bool(self._requests[slot].hold) for slot in slots]
@@ -478,22 +594,27 @@ class TorchEngine:
         self.stats.finished_requests += len(outputs)
         return outputs
 
-    def _ends_with_stop_sequence(self, start: int, rows: torch.Tensor) -> torch.Tensor:
-        """Per slot start..num_running-1: its turn's tokens end with one of its stop sequences."""
-        seqs = self._stop_seqs[start : self._num_running]  # (m, S, W)
+    def _ends_with_stop_sequence(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot of `slots`: its turn's tokens (on the host) end with one of its stop
+        sequences."""
+        seqs = self._stop_seqs[slots]  # (m, S, W)
         width = seqs.shape[2]
-        cols = self._len[start : self._num_running, None] - width + torch.arange(width)
-        in_turn = (cols >= self._turn_start[start : self._num_running, None]).to(self.device)
-        tail = self._tokens[rows[:, None], cols.clamp(min=0).to(self.device)]
+        known = self._known[slots, None]
+        cols = known - width + torch.arange(width)
+        in_turn = cols >= self._turn_start[slots, None]
+        tail = self._host_tokens[slots[:, None], cols.clamp(min=0)]
         equal = (tail[:, None, :] == seqs) & in_turn[:, None, :]
         return ((equal | (seqs == -1)).all(-1) & (seqs != -1).any(-1)).any(-1)
 
     def _slot_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The per-slot tensors (rows indexed by slot): per position, and per slot."""
-        per_position = [self._tokens, self._logprobs, self._versions]
-        per_slot = [self._temperature, self._top_k, self._top_p, self._min_p, self._penalty,
-                    self._stop_ids, self._stop_seqs, self._len, self._turn_start, self._max_new,
-                    self._truncates, self._penalised, self._uses_min_p, self._parked, self._stale]
+        per_position = [self._tokens, self._host_tokens, self._host_logprobs, self._host_versions]
+        per_slot = [*self._sampler.params(), self._temperature, self._top_k, self._top_p,
+                    self._stop_ids, self._stop_seqs, self._len, self._known, self._turn_start,
+                    self._max_new, self._truncates, self._penalised, self._uses_min_p,
+                    self._parked, self._stale]
+        if self._in_flight is not None:
+            per_slot.append(self._in_flight.slot_rows(self._capacity))
         return per_position, per_slot
 
     def _copy_slots(self, src: list[int], dst: list[int]) -> None:
@@ -502,6 +623,7 @@ class TorchEngine:
         overlap: `_copy_slots(a + b, b + a)` swaps."""
         if not src:
             return
+        self._batch = None
         length = int(self._len[src].max())
         self._runner.move_kv(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device),
                              length)
@@ -547,6 +669,9 @@ class TorchEngine:
     def _free(self, slots: list[int]) -> None:
         for s in slots:
             self._requests[s] = self._generators[s] = self._matchers[s] = None
-        self._len[slots] = 0
+        self._batch = None
+        self._len[slots] = self._known[slots] = 0
+        if self._in_flight is not None:
+            self._in_flight.slot_rows(self._capacity)[slots] = -1
         self._parked[slots] = False
         self._stale[slots] = False
