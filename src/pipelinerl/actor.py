@@ -62,6 +62,7 @@ from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import make_train_task
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.environment import is_environment
+from pipelinerl.tools.task import equip
 from pipelinerl.types import (
     HEARTBEAT_S,
     GenerationOutput,
@@ -234,7 +235,7 @@ class Actor:
                           GroupCollector(self.scorer, codec.decode))
         self.rollouts = (Rollouts(task, engine, codec.encode_text, codec.decode, self.sampling,
                                   cfg.actor.env_timeout_s, cfg.actor.env_workers,
-                                  reply_delay_steps(cfg))
+                                  reply_delay_steps(cfg), codec.token_text)
                          if is_environment(task) else None)
         self.stats = ActorStats()
         # Deterministic mode (pipelinerl.replay): weights, scores and the trainer's drops are
@@ -354,6 +355,8 @@ class Actor:
         if self.rollouts is not None:
             elapsed = time.monotonic() - self.stats.started_at
             stats.update(self.rollouts.stats.snapshot(elapsed, self.engine.capacity))
+            if (tool_stats := getattr(self.rollouts.pool, "snapshot", None)) is not None:
+                stats.update(tool_stats())
         if self.endpoint is not None:
             stats["endpoint_aborted"] = self.endpoint.aborted
         if self.episodes is not None:
@@ -753,6 +756,7 @@ def to_sample(out: GenerationOutput | Transcript, score: Score, group_id: str, a
         actor_id=actor_id,
         model_mask=out.model_mask if multi_turn else None,
         turns=out.model_turns if multi_turn else 1,
+        tool_calls=list(out.tool_calls) if multi_turn and out.tool_calls else None,
     )
 
 
@@ -764,6 +768,8 @@ def run_actor(cfg: Config, actor_id: int) -> None:
         use_deterministic_torch()
     task = _train_task(cfg, actor_id)
     codec, tokenizer = text_codec(cfg, cfg.model.path)
+    if cfg.tools.enabled:  # the task's rollouts call tools (docs/tools.md)
+        task, codec = equip(cfg, task, codec, tokenizer, f"actor{actor_id}", cfg.run_dir)
     control = Control(open_control_reader(cfg), cfg.attempt)
     writer, ledger = open_rollout_writer(cfg, actor_id), open_admission_ledger(cfg)
     # A deterministic actor continues its snapshot, if any (`_resume_deterministic`), never

@@ -385,6 +385,63 @@ class DeterministicConfig(_Section):
     reply_delay_steps: int = Field(default=1, ge=0)
 
 
+class McpServerConfig(_Section):
+    """One MCP server (docs/tools.md): `command` (stdio, started by the role) or `url`
+    (streamable HTTP), never both."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    command: list[str] = Field(default_factory=list)
+    url: str = ""
+    env: dict[str, str] = Field(default_factory=dict, description="stdio: extra environment")
+    # rollout: each rollout's calls go to an MCP session of its own (stdio: a server process
+    # of its own; HTTP: its own initialize handshake, so its own Mcp-Session-Id), closed when
+    # the rollout ends; shared: one session for every rollout (a stateless server).
+    session: Literal["rollout", "shared"] = "rollout"
+    max_sessions: int = Field(default=32, gt=0, description="open sessions at most (stdio: "
+                              "processes); a rollout beyond waits for one")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "McpServerConfig":
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"tools.mcp server {self.name!r}: give exactly one of command "
+                             "(stdio) and url (streamable HTTP)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"tools.mcp server {self.name!r}: url must be http(s)://..., "
+                             f"not {self.url!r}")
+        return self
+
+
+class ToolsConfig(_Section):
+    """Tools the model may call in its own chat format, in any task (docs/tools.md)."""
+
+    functions: list[str] = Field(default_factory=list, description="module:callable each")
+    mcp: list[McpServerConfig] = Field(default_factory=list)
+    # How calls are written and parsed: auto (from the chat template), hermes (Qwen2.5,
+    # <tool_call>{json}</tool_call>), llama3 (a JSON object), or module:callable (a parser).
+    format: str = "auto"
+    timeout_s: float = Field(default=10.0, gt=0, description="per call, and for a server's "
+                             "start and tools/list")
+    max_calls: int = Field(default=4, gt=0, description="tool calls per rollout at most")
+    # A call that raises, times out or whose server died: reply (its error text goes back to
+    # the model, counted) or drop (the rollout's group is dropped, counted).
+    on_error: Literal["reply", "drop"] = "reply"
+    max_reply_chars: int = Field(default=2000, gt=0, description="a longer reply is cut")
+    # deterministic mode, or any run: take the replies recorded in this run directory instead
+    # of calling (`pipelinerl train --replay-tools RUN_DIR`).
+    replay_from: str = ""
+
+    @model_validator(mode="after")
+    def _unique_servers(self) -> "ToolsConfig":
+        names = [s.name for s in self.mcp]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools.mcp: server names must be unique, got {names}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.mcp)
+
+
 class Config(_Section):
     name: str = "run"
     output_dir: str = "runs"
@@ -412,6 +469,7 @@ class Config(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "Config":

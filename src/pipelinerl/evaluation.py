@@ -49,6 +49,7 @@ from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import heldout_problems, make_task
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.environment import is_environment
+from pipelinerl.tools.task import equip
 from pipelinerl.types import (GenerationOutput, GenerationRequest, Sample, SamplingParams,
                              attempt_index)
 
@@ -346,6 +347,8 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     problems = heldout_problems(task, cfg.eval.num_problems, cfg.eval.seed, cfg.task.heldout_frac)
     own_heldout = bool(getattr(task, "has_test_split", False))
     codec, tokenizer = text_codec(cfg, model_path)
+    if cfg.tools.enabled:  # held-out rollouts call the tools as training's do
+        task, codec = equip(cfg, task, codec, tokenizer, "evaluator", cfg.run_dir)
     base = sampling_from_config(cfg.engine, codec.stop_ids)
     engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
                                                "device": eval_device(cfg)})
@@ -370,7 +373,7 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     if is_environment(task):
         rollouts = Rollouts(task, engine, codec.encode_text, codec.decode, base,
                             cfg.actor.env_timeout_s, cfg.actor.env_workers,
-                            reply_delay_steps(cfg))
+                            reply_delay_steps(cfg), codec.token_text)
     setup = EvalSetup(problems, prompt_ids, eval_modes(cfg.eval, base), scorer, codec.decode,
                       rollouts, own_heldout=own_heldout,
                       seed=cfg.seed if cfg.deterministic.enabled else None)

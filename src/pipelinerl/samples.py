@@ -119,6 +119,7 @@ def group_row(step: int, version: int, group: Group, scored: list[Scored],
             "reward": s.reward, "success": s.success, "advantage": _num(sc.advantage),
             "finish_reason": s.finish_reason, "length": n, "turns": s.turns,
             "episode": s.episode, "actor_id": s.actor_id,
+            **({"tool_calls": s.tool_calls} if s.tool_calls else {}),
             "tokens": {
                 "text": pieces[at:at + n],
                 "version": s.versions,
@@ -235,7 +236,9 @@ class EvalPass:
             "prompt": self.decode(outs[0].prompt_ids) if outs else "",
             "attempts": [{"completion": self.decode(o.token_ids), "reward": None,
                           "success": None, "finish_reason": o.finish_reason,
-                          "length": len(o.token_ids)} for o in outs],
+                          "length": len(o.token_ids),
+                          **({"tool_calls": list(o.tool_calls)}
+                             if getattr(o, "tool_calls", None) else {})} for o in outs],
             "failure": failure}
 
     def scores(self, m: int, i: int, scores: list[Score] | None, failure: str = "") -> None:

@@ -113,6 +113,9 @@ class Sample:
     # (verifiers) trains as one sample per branch, all with the episode's index and reward.
     # None: the sample is an attempt of its own.
     episode: int | None = None
+    # Tool-using rollouts (pipelinerl.tools): each call, its reply, outcome and latency, in
+    # the order made. None: no tools.
+    tool_calls: list[dict[str, Any]] | None = None
 
     def model_versions(self) -> list[int]:
         """The versions of the tokens the model sampled."""

@@ -2,7 +2,8 @@
 
 An attempt's request id is `<group key>-<attempt>`. Once a group's last attempt is in, the
 group goes to the scorer, unless an environment call of one of its attempts failed
-(finish_reason `env_...`): then it is dropped, since its baseline needs every attempt.
+(finish_reason `env_...`, or `tool_...` under `tools.on_error=drop`): then it is dropped, since
+its baseline needs every attempt.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from pipelinerl.tasks.base import Problem
 from pipelinerl.types import GenerationOutput
 
 Attempt = GenerationOutput | Transcript  # an engine output, or a multi-turn rollout's transcript
+
+
+def is_call_failure(finish_reason: str) -> bool:
+    """An environment's (or a tool's) call failed and ended the rollout."""
+    return finish_reason.startswith(("env_", "tool_"))
 
 
 def request_id(group_key: str, attempt: int) -> str:
@@ -57,7 +63,7 @@ class GroupCollector:
         if len(attempts) < size:
             return None
         del self._attempts[key]
-        failure = next((o.finish_reason for o in attempts if o.finish_reason.startswith("env_")),
+        failure = next((o.finish_reason for o in attempts if is_call_failure(o.finish_reason)),
                        None)
         attempts.sort(key=_attempt_index)
         if failure is None:

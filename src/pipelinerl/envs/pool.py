@@ -65,7 +65,10 @@ class EnvPool:
     def pending(self) -> int:
         return len(self._submitted)
 
-    def submit(self, key: str, problem: Problem, turns: list[Turn]) -> None:
+    def submit(self, key: str, problem: Problem, turns: list[Turn],
+               ended_on: str | None = None) -> None:
+        """Ask for the reply to `turns[-1]`; `ended_on`: the text of the stop token the turn
+        ended with, if it did (a tool pool's rendering needs it; `respond` does not)."""
         if not self._pool.active:
             log.warning("the environment pool of %s broke: starting a new one", self.env.name)
             retire(self._pool)
@@ -96,6 +99,9 @@ class EnvPool:
         except Empty:
             return
         self._finished.put(finished)
+
+    def end(self, key: str) -> None:
+        """Rollout `key` is over (a pool with per-rollout sessions closes its own)."""
 
     def close(self) -> None:
         retire(self._pool)

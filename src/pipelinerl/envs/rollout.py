@@ -46,6 +46,7 @@ class Transcript:
     model_mask: list[bool] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     turn_reward: float = 0.0  # the replies' rewards, summed
+    tool_calls: list[dict] = field(default_factory=list)  # the replies' calls (pipelinerl.tools)
     # "stop" (the model stopped, or the environment said done), "length" (budget or
     # max_turns), or the failure of an environment call (env_timeout / env_error / env_crash).
     finish_reason: str = ""
@@ -97,11 +98,13 @@ class Rollouts:
         timeout_s: float,
         workers: int,
         reply_delay: int | None = None,
+        decode_special: Callable[[int], str] = lambda token: "",
     ) -> None:
         """`encode_text`: plain tokenisation (no special tokens, no template); `sampling`:
         the actor's, the default of `request`. A request's max_new_tokens is the budget of its
         whole transcript. `reply_delay`: deterministic mode's, in decode steps (None: replies
-        are applied as they come back)."""
+        are applied as they come back). `decode_special`: a stop token's text (for an
+        environment that answers turns ending on one, `respond_on_stop`)."""
         self.env = env
         self.engine = engine
         self.encode_text = encode_text
@@ -112,7 +115,12 @@ class Rollouts:
             raise ValueError(f"environment {env.name!r}: a turn stop of {env.turn_stops} "
                              "tokenises to no token")
         self.sampling = sampling
-        self.pool = EnvPool(env, timeout_s, workers)
+        # An environment may bring its own pool (tools: sessions per rollout on an event loop).
+        make_pool = getattr(env, "reply_pool", None)
+        self.pool = make_pool(timeout_s, workers) if make_pool else EnvPool(env, timeout_s,
+                                                                             workers)
+        self.respond_on_stop = bool(getattr(env, "respond_on_stop", False))
+        self.stop_text = {i: decode_special(i) for i in self.stop_token_ids}
         self.stats = EnvStats()
         self._running: dict[str, Transcript] = {}
         self._asked: set[str] = set()  # rollouts whose reply is not applied yet
@@ -147,14 +155,17 @@ class Rollouts:
         t.turns.append(Turn("model", self.decode(out.token_ids)))
         if out.finish_reason == "length":
             return self._end(t, "length")
+        ended_on = None
         if not any(tuple(out.token_ids[-len(s):]) == s for s in self.turn_stops):
             t.ends_with_stop_token = out.token_ids[-1] in self.stop_token_ids
-            return self._end(t, "stop")
+            if not (self.respond_on_stop and t.ends_with_stop_token):
+                return self._end(t, "stop")
+            ended_on = self.stop_text[out.token_ids[-1]]
         self.stats.calls += 1
         self._asked.add(t.request_id)
         if self._due is not None:
             self._due.expect(t.request_id, decode_steps)
-        self.pool.submit(t.request_id, t.problem, list(t.turns))
+        self.pool.submit(t.request_id, t.problem, list(t.turns), ended_on)
         return None
 
     def poll(self, decode_steps: int = 0, idle: bool = False) -> list[Transcript]:
@@ -191,6 +202,7 @@ class Rollouts:
     def _continue(self, t: Transcript, reply: Reply) -> str | None:
         """Append the reply and start the model's next turn; or the reason the rollout ends."""
         t.turn_reward += reply.reward
+        t.tool_calls += reply.calls
         if reply.done:
             return "stop"
         if t.model_turns >= self.env.max_turns:  # the environment wanted more: cut short
@@ -200,6 +212,7 @@ class Rollouts:
         if room < 1:  # no token left for the model's next turn
             return "length"
         t.turns.append(Turn("env", reply.text))
+        t.ends_with_stop_token = False  # the model's turn goes on after a stop token answered
         t.token_ids += ids
         t.logprobs += [0.0] * len(ids)
         t.versions += [ENV_VERSION] * len(ids)
@@ -211,6 +224,7 @@ class Rollouts:
         t.finish_reason = reason
         del self._running[t.request_id]
         self.engine.release(t.request_id)
+        self.pool.end(t.request_id)
         return t
 
     def close(self) -> None:

@@ -81,6 +81,8 @@ class Codec:
     decode: Callable[[list[int]], str]
     encode_text: Callable[[str], list[int]]
     stop_ids: tuple[int, ...]
+    # One token's text, special tokens included (a tool reply follows the stop token's).
+    token_text: Callable[[int], str] = lambda token: ""
 
 
 def text_codec(cfg: Config, model_path: str | Path) -> tuple[Codec, PreTrainedTokenizerBase]:
@@ -89,4 +91,5 @@ def text_codec(cfg: Config, model_path: str | Path) -> tuple[Codec, PreTrainedTo
     return Codec(encode=encode,
                  decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                  encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False),
-                 stop_ids=stop_ids), tokenizer
+                 stop_ids=stop_ids,
+                 token_text=lambda token: tokenizer.decode([token])), tokenizer

@@ -12,7 +12,7 @@ environment text), plus the per-turn rewards of the replies. docs/environments.m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pipelinerl.tasks.base import Problem, Task
 
@@ -30,6 +30,9 @@ class Reply:
     text: str = ""  # appended after the model's turn (ignored when done)
     done: bool = False  # the rollout ends here
     reward: float = 0.0  # added to the rollout's reward
+    # The tool calls this reply answers (pipelinerl.tools: name, arguments, reply, outcome,
+    # latency), recorded with the sample.
+    calls: tuple[dict[str, Any], ...] = ()
 
 
 @runtime_checkable
@@ -53,7 +56,10 @@ def check_environment(task: object) -> None:
     """Refuse an environment whose protocol members are missing or wrong (at launch)."""
     name = getattr(task, "name", type(task).__name__)
     stops = getattr(task, "turn_stops", None)
-    if (not isinstance(stops, tuple) or not stops
+    # An environment that answers every turn the model ends with its stop token (tools: the
+    # model ends its message, the calls in it are answered) needs no other stops.
+    may_be_empty = getattr(task, "respond_on_stop", False)
+    if (not isinstance(stops, tuple) or not (stops or may_be_empty)
             or not all(isinstance(s, str) and s for s in stops)):
         raise TypeError(f"environment {name!r}: turn_stops must be a non-empty tuple of non-empty "
                         f"strings, got {stops!r}")

@@ -1,0 +1,174 @@
+"""A tool-using rollout's turns answered: the calls parsed from the model's turn, run, and
+their replies rendered by the chat template (the multi-turn protocol's reply pool,
+`pipelinerl.envs.rollout`).
+
+A turn with no call ends the rollout (the model answered). Every call gets a reply the model
+reads, whatever went wrong, and each is counted by outcome: a call that does not parse, names
+no tool or whose arguments fail the schema is `tool_bad_call` (its reason goes back); a call
+past `tools.max_calls` in the rollout is `tool_over_limit` (not run); a tool that fails is
+`tool_error`, `tool_timeout` or `tool_server_restart`, answered with its error text
+(`tools.on_error=reply`) or ending the rollout so its group is dropped (`drop`, counted as
+`skipped_<outcome>`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, defaultdict
+from queue import Empty, SimpleQueue
+from typing import Any, Callable
+
+from pipelinerl.config import ToolsConfig
+from pipelinerl.envs.pool import EnvResult
+from pipelinerl.tasks.base import Problem
+from pipelinerl.tasks.environment import Reply, Turn
+from pipelinerl.tools.chat import Answered, ToolChat
+from pipelinerl.tools.formats import Parsed
+from pipelinerl.tools.host import CallResult, ToolHost
+from pipelinerl.tools.record import ToolLog, call_key
+from pipelinerl.tools.specs import ToolCall, argument_errors
+
+FAILURES = ("tool_error", "tool_timeout", "tool_server_restart")
+
+
+class ToolStats:
+    """Calls by tool and outcome, for the actor's metrics."""
+
+    def __init__(self) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.by_tool: Counter[str] = Counter()
+        self.latency_s = 0.0
+        self.turns_with_calls = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.outcomes[record["outcome"]] += 1
+        self.by_tool[record["name"] or "?"] += 1
+        self.latency_s += record["latency_s"]
+
+    def snapshot(self, restarts: int, log: ToolLog) -> dict[str, float]:
+        calls = sum(self.outcomes.values())
+        well_formed = calls - self.outcomes["tool_bad_call"]
+        return {
+            "tool_calls": calls,
+            "tool_well_formed_frac": well_formed / max(calls, 1),
+            "tool_latency_mean_s": self.latency_s / max(calls, 1),
+            "tool_server_restarts": restarts,
+            "tool_replayed": log.replayed,
+            "tool_replay_misses": log.misses,
+            **{f"tool_{o.removeprefix('tool_')}s": n for o, n in self.outcomes.items()},
+            **{f"tool_calls_{name}": n for name, n in self.by_tool.items()},
+        }
+
+
+class ToolReplies:
+    def __init__(self, host: ToolHost, chat: ToolChat, parse: Callable[[str], Parsed],
+                 cfg: ToolsConfig, log: ToolLog) -> None:
+        self.host, self.chat, self.parse, self.cfg, self.log = host, chat, parse, cfg, log
+        self.stats = ToolStats()
+        self._calls: defaultdict[str, int] = defaultdict(int)  # per rollout
+        self._submitted: dict[str, float] = {}
+        self._finished: SimpleQueue[EnvResult] = SimpleQueue()
+
+    # -- the reply pool's interface (pipelinerl.envs.pool.EnvPool's) -------------------------
+    def pending(self) -> int:
+        return len(self._submitted)
+
+    def submit(self, key: str, problem: Problem, turns: list[Turn],
+               ended_on: str | None = None) -> None:
+        self._submitted[key] = time.monotonic()
+        turn = sum(t.role == "model" for t in turns) - 1
+        future = self.host.submit(self._respond(key, turn, turns[-1].text, ended_on))
+        future.add_done_callback(lambda f, key=key: self._done(key, f))
+
+    def _done(self, key: str, future: Any) -> None:
+        latency = time.monotonic() - self._submitted.pop(key)
+        if (error := future.exception()) is not None:  # a bug of ours: the rollout ends
+            self._finished.put(EnvResult(key, None, "env_error", latency))
+            return
+        reply, failure = future.result()
+        self._finished.put(EnvResult(key, reply, failure, latency))
+
+    def poll(self) -> list[EnvResult]:
+        results = []
+        while not self._finished.empty():
+            results.append(self._finished.get())
+        return results
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            result = self._finished.get(timeout=timeout_s)
+        except Empty:
+            return
+        self._finished.put(result)
+
+    def end(self, key: str) -> None:
+        self._calls.pop(key, None)
+        self.host.end(key)
+
+    def snapshot(self) -> dict[str, float]:
+        return self.stats.snapshot(self.host.restarts(), self.log)
+
+    def close(self) -> None:
+        self.host.close()
+        self.log.close()
+
+    # -- on the host's loop ------------------------------------------------------------------
+    async def _respond(self, key: str, turn: int, text: str, ended_on: str | None
+                       ) -> tuple[Reply | None, str]:
+        parsed = self.parse(text)
+        if not parsed.any:
+            return Reply(done=True), ""
+        self.stats.turns_with_calls += 1
+        planned: list[tuple[ToolCall | None, str]] = [(None, f"error: {e}")
+                                                      for e in parsed.errors]
+        planned += [(call, self._refusal(key, call)) for call in parsed.calls]
+        records = await asyncio.gather(*(self._answer(key, turn, i, call, refusal)
+                                         for i, (call, refusal) in enumerate(planned)))
+        for record in records:
+            self.stats.add(record)
+        failed = [r["outcome"] for r in records if r["outcome"] in FAILURES]
+        if failed and self.cfg.on_error == "drop":
+            return None, failed[0]
+        answers = [Answered(r["name"], r["reply"]) for r in records]
+        return Reply(self.chat.reply_text(answers, ended_on), calls=tuple(records)), ""
+
+    def _refusal(self, key: str, call: ToolCall) -> str:
+        """Why a parsed call is not run ("" when it is)."""
+        spec = self.host.specs.get(call.name)
+        if spec is None:
+            return (f"error: unknown tool {call.name!r}; the tools are "
+                    f"{', '.join(sorted(self.host.specs))}")
+        if self._calls[key] >= self.cfg.max_calls:
+            return f"error: no more calls: at most {self.cfg.max_calls} per episode"
+        self._calls[key] += 1
+        if problem := argument_errors(spec, call.arguments):
+            return f"error: bad arguments for {call.name}: {problem}"
+        return ""
+
+    async def _answer(self, key: str, turn: int, index: int, call: ToolCall | None,
+                      refusal: str) -> dict[str, Any]:
+        name = call.name if call else ""
+        arguments = call.arguments if call else {}
+        record: dict[str, Any] = {"key": call_key(key, turn, index), "turn": turn,
+                                  "name": name, "arguments": arguments}
+        if refusal:
+            over = refusal.startswith("error: no more calls")
+            return {**record, "reply": refusal, "latency_s": 0.0,
+                    "outcome": "tool_over_limit" if over else "tool_bad_call"}
+        assert call is not None
+        recorded = self.log.recorded_reply(record["key"], name, arguments)
+        if recorded is not None:
+            result = CallResult(recorded["reply"], recorded["outcome"], 0.0)
+        else:
+            result = await self.host.call(key, call)
+        record.update(reply=_cut(result.text, self.cfg.max_reply_chars), outcome=result.outcome,
+                      latency_s=round(result.latency_s, 6), replayed=recorded is not None)
+        self.log.append(record)
+        return record
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"... ({len(text) - limit} more characters cut)"
