@@ -3,17 +3,21 @@
 import dataclasses
 import itertools
 import math
+import random
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from pipelinerl.rl.attention import _segments, use_per_sequence_attention
+from pipelinerl.config import ConfigError, load_config
+from pipelinerl.rl.attention import _segments, set_packed_attention, use_per_sequence_attention
 from pipelinerl.rl.losses import reinforce_tis_loss
 from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, score_tokens
+from pipelinerl.rl.step import rl_step
+from pipelinerl.trainer import make_optimizer
 from pipelinerl.types import Sample
-from tiny_models import ARCHS, reference_truncation, tiny_hf_model
+from tiny_models import ARCHS, random_groups, reference_truncation, smollm2_layout, tiny_hf_model
 from tiny_models import VOCAB as VOCAB_HF
 
 torch.set_num_threads(1)
@@ -313,3 +317,34 @@ def test_sampled_token_outside_the_kept_set_stays_finite() -> None:
     # top-1 keeps token 0 only; the sampled token 3 joins it: log(e^0 / (e^3 + e^0))
     lp, _ = _SelectedLogprobs.apply(logits, torch.tensor([0]), torch.tensor([3]), 1.0, 1, (1, 1.0))
     torch.testing.assert_close(lp, -torch.log1p(torch.tensor([math.exp(3.0)])))
+
+
+def test_token_micro_batches_take_one_forward_each_and_equal_the_row_by_row_step() -> None:
+    """trainer.tokens_per_microbatch: 16 sequences (~800 input tokens) in rows of 128 tokens
+    take 7 forwards; in micro-batches of up to 4096 tokens, one varlen row, one forward. The
+    step's loss, gradient norm and weights agree within fp32 noise."""
+    runs = {}
+    for name, extra in (("rows", []), ("tokens", ["trainer.tokens_per_microbatch=4096"])):
+        cfg = load_config(overrides=["model.path=unused", "trainer.batch_size=16",
+                                     "actor.group_size=8", "trainer.max_tokens_per_row=128",
+                                     *extra])
+        model = smollm2_layout(2).train()
+        set_packed_attention(model, cfg.trainer)
+        forwards = []
+        model.register_forward_hook(lambda m, args, out: forwards.append(1))
+        metrics = rl_step(model, make_optimizer(model, cfg.trainer),
+                          random_groups(2, random.Random(0)), cfg, 0)
+        runs[name] = (metrics, model, len(forwards))
+    (rows, rows_model, rows_forwards), (tokens, tokens_model, tokens_forwards) = runs.values()
+    assert rows_forwards >= 6 and tokens_forwards == 1, (rows_forwards, tokens_forwards)
+    for key in ("loss", "grad_norm", "ess", "tokens"):
+        assert tokens[key] == pytest.approx(rows[key], rel=1e-5, abs=1e-7), key
+    for a, b in zip(rows_model.parameters(), tokens_model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_token_micro_batches_need_per_sequence_attention() -> None:
+    for extra in ("trainer.packed_attention=masked_row", "trainer.packing=false"):
+        with pytest.raises((ConfigError, ValueError), match="one varlen row"):
+            load_config(overrides=["model.path=unused", "trainer.tokens_per_microbatch=8192",
+                                   extra])

@@ -60,6 +60,7 @@ from pipelinerl.replay import (
     weights_sha256,
 )
 from pipelinerl.rl.attention import set_packed_attention
+from pipelinerl.rl.fused import use_liger
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.rl.step import rl_step
 from pipelinerl.roles import (
@@ -333,6 +334,8 @@ def build_model(cfg: Config, device: str, world: int) -> tuple[torch.nn.Module, 
         model = apply_lora(model, cfg.model.lora)
     model.train()
     set_packed_attention(model, cfg.trainer)
+    if cfg.trainer.liger:
+        use_liger(model, device)
     wrapped = wrap_model(model, cfg.trainer, device, world)
     if is_sharded(wrapped):
         load_shards(wrapped, cfg.model.path, cfg.trainer.fsdp, device)
