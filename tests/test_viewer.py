@@ -375,3 +375,81 @@ def test_view_exports_a_view_and_serves_on_loopback_by_default(run_dir, tmp_path
         held.listen()
         out = _view(str(run_dir), "--port", str(held.getsockname()[1]))
     assert out.returncode == 2 and "--port 0" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---- tool calls ------------------------------------------------------------------------------
+
+class _CharTokenizer:
+    """Token id i is chr(i): a completion's text is its ids."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+    def batch_decode(self, batch: list[list[int]]) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+
+HOSTILE = "<img src=x onerror=alert(1)>\x00\x1b[31m</pre><script>alert(2)</script>"
+
+
+def tool_group_row(step: int = 7) -> dict[str, Any]:
+    """A samples.jsonl line as the trainer writes it (`pipelinerl.samples.group_row`) for a
+    tool-using sample: model turn 0 calls two tools, the replies (the environment's tokens,
+    mask 0) follow, then model turn 1 answers."""
+    from pipelinerl.samples import Scored
+    from pipelinerl.samples import group_row as trainer_row
+    from pipelinerl.types import ENV_VERSION, Group, Sample
+
+    turn0, reply, turn1 = "<call>", "[r1][r2]", "A=4."
+    ids = [ord(c) for c in turn0 + reply + turn1]
+    mask = [True] * len(turn0) + [False] * len(reply) + [True] * len(turn1)
+    calls = [
+        {"key": "a0-r1/0/0", "turn": 0, "name": "lookup", "arguments": {"q": "2+2", "n": 1},
+         "reply": "4", "outcome": "ok", "latency_s": 0.0123, "replayed": False},
+        {"key": "a0-r1/0/1", "turn": 0, "name": "search", "arguments": {"q": "<b>x</b>"},
+         "reply": HOSTILE, "outcome": "tool_timeout", "latency_s": 2.5, "replayed": True},
+    ]
+    sample = Sample(prompt_ids=[ord(c) for c in "2+2="], token_ids=ids,
+                    logprobs=[-0.5 if m else 0.0 for m in mask],
+                    versions=[step - 1 if m else ENV_VERSION for m in mask], reward=1.0,
+                    success=True, finish_reason="stop", model_mask=mask, turns=2,
+                    tool_calls=calls)
+    scored = [Scored(0.5, [-0.4 if m else None for m in mask])]
+    group = Group(group_id=f"a0-g{step}", prompt="2+2=", samples=[sample])
+    return trainer_row(step, step - 1, group, scored, _CharTokenizer())
+
+
+def test_tool_calls_reach_the_page_with_their_turn_reply_and_mask(run_dir):
+    row = tool_group_row()
+    write_rows(run_dir / "samples.jsonl", [row], mode="a")
+    view = RunView(run_dir)
+    assert view.notes() == [] and view.summary()["tool_outcomes"] == ["ok", "tool_timeout"]
+    (status, _, body), (_, _, failed) = _get(run_dir, "/api/groups?step_min=7",
+                                             "/api/groups?tool=failed")
+    assert status == 200
+    sample = json.loads(body)["groups"][0]["samples"][0]
+    assert sample["tool_calls"] == row["samples"][0]["tool_calls"]
+    assert sample["tool_calls"][1]["reply"] == HOSTILE  # as written: the page shows it as text
+    assert sample["tokens"]["mask"] == [1] * 6 + [0] * 8 + [1] * 4
+    assert sample["tokens"]["version"][6:14] == [-1] * 8
+    assert [g["step"] for g in json.loads(failed)["groups"]] == [7]
+    groups = view.groups()
+    assert [g["step"] for g in select_groups(groups, Filters(tool="any"))["groups"]] == [7]
+    assert select_groups(groups, Filters(tool="tool_error"))["total"] == 0
+    assert select_groups(groups, Filters(tool="ok"))["total"] == 1
+    # A line whose calls lack what the page needs is named, not shown half.
+    bad = tool_group_row(8)
+    del bad["samples"][0]["tool_calls"][0]["outcome"]
+    write_rows(run_dir / "samples.jsonl", [bad], mode="a")
+    view.refresh()
+    assert any("samples.0.tool_calls.0.outcome" in n for n in view.notes()), view.notes()
+
+
+def test_an_export_with_a_hostile_tool_reply_keeps_it_inside_its_data(run_dir):
+    write_rows(run_dir / "samples.jsonl", [tool_group_row()], mode="a")
+    html = export_html(RunView(run_dir), Filters(tool="any"), EvalQuery(), PanelCache())
+    assert html.count("</script>") == 2 and "<img src=x" not in html
+    data = re.search(r'<script id="pipelinerl-data" type="application/json">(.*?)</script>',
+                     html, re.S).group(1)
+    calls = json.loads(data)["groups"]["groups"][0]["samples"][0]["tool_calls"]
+    assert calls[1]["reply"] == HOSTILE

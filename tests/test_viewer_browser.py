@@ -340,3 +340,79 @@ def test_a_copied_run_with_a_torn_line_and_an_old_run_say_so(browser, finished_r
             _shot(browser, f"note-{run.name}")
         finally:
             viewer.stop()
+
+
+def test_tool_calls_show_at_their_turn_escaped_with_the_replies_shaded(browser, tmp_path):
+    """A tool-using sample (samples.jsonl as `pipelinerl.samples.group_row` writes it, a reply
+    made of markup and control characters) and a held-out attempt with calls."""
+    from test_viewer import HOSTILE, tool_group_row, write_rows
+
+    run = tmp_path / "tools"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: tools\n")
+    row = tool_group_row()
+    write_rows(run / "samples.jsonl", [row])
+    calls = row["samples"][0]["tool_calls"]
+    write_rows(run / "eval_samples.jsonl", [{
+        "version": 6, "attempt": 0, "mode": "greedy", "problem_id": "p", "problem": "2+2=",
+        "prompt": "2+2=", "failure": None,
+        "attempts": [{"completion": "A=4", "reward": 1.0, "success": True,
+                      "finish_reason": "stop", "length": 18, "tool_calls": calls}]}])
+    viewer = Viewer(run)
+    try:
+        _open(browser, viewer.url)
+        attempt = browser.find_element("css selector", "#groups .attempt")
+        assert "2 tool calls: 1 ok, 1 tool_timeout" in \
+            attempt.find_element("css selector", ".tool-counts.tools-bad").text
+        boxes = attempt.find_elements("css selector", ".tokens > .tool-call")
+        assert [b.get_attribute("data-outcome") for b in boxes] == ["ok", "tool_timeout"]
+        # Placed where turn 0's replies begin: after the model's tokens, before the env's.
+        assert browser.execute_script("""
+            const calls = arguments[0].querySelectorAll('.tokens > .tool-call');
+            const before = calls[0].previousElementSibling, after = calls[1].nextElementSibling;
+            return [before.textContent, before.classList.contains('env'),
+                    after.textContent, after.classList.contains('env')];""", attempt) \
+            == [">", False, "[", True]
+        ok, bad = boxes
+        assert ok.find_element("css selector", ".tool-name").text == "lookup"
+        assert ok.find_element("css selector", ".tool-args").text == '{"q":"2+2","n":1}'
+        assert ok.find_element("css selector", ".tool-latency").text == "12.3 ms"
+        assert ok.find_element("css selector", ".tool-replayed").text == "called"
+        assert ok.find_element("css selector", ".tool-reply").text == "4"
+        assert "bad" not in ok.get_attribute("class") and "bad" in bad.get_attribute("class")
+        outcome = bad.find_element("css selector", ".tool-outcome")
+        assert outcome.text == "tool_timeout"
+        assert _rgb(outcome.value_of_css_property("background-color")) == (176, 0, 32)
+        assert bad.find_element("css selector", ".tool-args").text == '{"q":"<b>x</b>"}'
+        assert bad.find_element("css selector", ".tool-replayed").text == "replayed"
+        # The reply as text: its markup shown, not made; control characters as their pictures.
+        reply = bad.find_element("css selector", ".tool-reply")
+        expected = HOSTILE.replace("\x00", "\u2400").replace("\x1b", "\u241b")
+        assert reply.get_attribute("textContent") == expected
+        assert browser.execute_script(  # no element made of a reply's or arguments' text
+            "return document.querySelectorAll('.tool-reply *, .tool-args *, .tool-name *, "
+            ".attempt img, .attempt script').length") == 0
+        # The environment's tokens (mask 0) hatched, the model's coloured by lag.
+        spans = attempt.find_elements("css selector", ".tok")
+        masks = row["samples"][0]["tokens"]["mask"]
+        assert [int(s.get_attribute("data-mask")) for s in spans] == masks
+        for span, m in zip(spans, masks):
+            image = span.value_of_css_property("background-image")
+            assert ("repeating-linear-gradient" in image) == (not m), (image, m)
+            assert ("env" in span.get_attribute("class")) == (not m)
+            if m:
+                assert _close(_rgb(span.value_of_css_property("background-color")),
+                              _mix((245, 140, 0), 0))  # lag 0 of max lag 0: white
+        assert "tool replies" in browser.find_element("id", "legend").text
+        _shot(browser, "tool-calls")
+        browser.find_element("id", "tab-eval").click()
+        cell = browser.find_elements("css selector", "#eval-rows td")[1]
+        assert [b.get_attribute("data-outcome") for b in
+                cell.find_elements("css selector", ".tool-call")] == ["ok", "tool_timeout"]
+        assert cell.find_elements("css selector", ".tool-reply")[1].get_attribute(
+            "textContent") == expected
+        _shot(browser, "tool-calls-heldout")
+        browser.find_element("id", "tab-samples").click()
+        _no_console_errors(browser, viewer.url)
+    finally:
+        viewer.stop()

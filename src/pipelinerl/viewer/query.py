@@ -41,6 +41,9 @@ class Filters(BaseModel):
     finish: tuple[str, ...] = ()  # finish reasons, any of them
     problem: str = ""  # a part of the problem text or group id, any case
     kind: Literal["all", "trained", "dropped"] = "all"
+    # Samples by their tool calls: "any" (a call made), "failed" (a call whose outcome is not
+    # ok) or one outcome (ok, tool_error, tool_timeout, ...); "": no matter.
+    tool: str = ""
     offset: int = Field(default=0, ge=0)
     limit: int = Field(default=PAGE, gt=0, le=1000)
 
@@ -76,7 +79,15 @@ class Filters(BaseModel):
             return False
         return ((not reward_bounded or _within(s["reward"], self.reward_min, self.reward_max))
                 and _within(s["length"], self.length_min, self.length_max)
-                and (not self.finish or s["finish_reason"] in self.finish))
+                and (not self.finish or s["finish_reason"] in self.finish)
+                and (not self.tool or self._tool_matches(s.get("tool_calls") or [])))
+
+    def _tool_matches(self, calls: list[dict[str, Any]]) -> bool:
+        if self.tool == "any":
+            return bool(calls)
+        if self.tool == "failed":
+            return any(c["outcome"] != "ok" for c in calls)
+        return any(c["outcome"] == self.tool for c in calls)
 
 
 def _within(x: float, low: float | None, high: float | None) -> bool:

@@ -36,12 +36,26 @@ class _Tokens(_Row):
     mask: list[int]
 
 
+class _ToolCall(_Row):
+    """One call of a tool-using rollout (pipelinerl.tools.replies): the page shows it at its
+    model turn; the fields it needs are checked, the rest (key, replayed, ...) optional."""
+
+    turn: int
+    name: str
+    outcome: str
+    reply: str
+    arguments: Any = None
+    latency_s: float | None = None
+    replayed: bool | None = None
+
+
 class _Sample(_Row):
     completion: str
     reward: float | None
     finish_reason: str
     length: int
     tokens: _Tokens
+    tool_calls: list[_ToolCall] | None = None
 
 
 class _Group(_Row):
@@ -58,6 +72,7 @@ class _Attempt(_Row):
     reward: float | None
     finish_reason: str | None
     length: int
+    tool_calls: list[_ToolCall] | None = None
 
 
 class _EvalLine(_Row):
@@ -246,6 +261,8 @@ class RunView:
             "groups": len(groups),
             "steps": sorted({g["step"] for g in groups}),
             "finish_reasons": sorted({s["finish_reason"] for s in samples}),
+            "tool_outcomes": sorted({c["outcome"] for s in samples
+                                     for c in s.get("tool_calls") or ()}),
             "dropped_reasons": sorted({g["dropped"] for g in groups if g.get("dropped")}),
             "max_lag": max(lags, default=0),
             "eval_versions": sorted({r["version"] for r in evals}),
