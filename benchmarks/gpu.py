@@ -16,9 +16,12 @@ Checks (`--checks`, default 1-5):
   8 smollm2: examples/smollm2.yaml on the device from its GGUF, pipeline vs conventional G=2,
     held-out pass@1 over time.
   9 trainer profile: check 4's 0.5B step under trainer.precision tf32 and bfloat16, profiled.
+  10 step options (issue 54): the SmolLM2 and 0.5B steps under trainer.compute_dtype,
+    tokens_per_microbatch, compile and liger: ms, launches, waits, device busy, MFU, log-prob gap.
 
 `--plan issue35` runs 7,2,4,8 in one call of at most 9 minutes; benchmarks/gpu_session.sh
 prepares its carriage (wheels the GPU machine lacks, the GGUF in two parts) and runs it there.
+`--plan issue54` runs 10,7 (no GGUF needed: `gpu_session.sh run54`).
 
 Models are random-initialised from `transformers` configs (no download). Results go to
 `<out>/gpu.json` and `<out>/gpu.md` after every check, so a run cut short keeps what it did.
@@ -882,6 +885,105 @@ def check_trainer_profile(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+# -- 10. the training step's options (issue 54 part 1) -----------------------------------------
+
+# (name, trainer overrides): today's bf16 step, then issue 54's options one by one and together.
+STEP_OPTIONS = (
+    ("autocast", {"precision": "bfloat16"}),
+    ("bf16_weights", {"compute_dtype": "bfloat16"}),
+    ("bf16_weights+tokens", {"compute_dtype": "bfloat16", "tokens_per_microbatch": 16384}),
+    ("bf16_weights+tokens+compile", {"compute_dtype": "bfloat16", "tokens_per_microbatch": 16384,
+                                     "compile": True}),
+    ("bf16_weights+tokens+liger", {"compute_dtype": "bfloat16", "tokens_per_microbatch": 16384,
+                                   "liger": True}),
+)
+
+
+def check_step_options(ctx: Ctx) -> dict[str, Any]:
+    """Issue 54 part 1 on the chip: the SmolLM2 step of 32 samples and the 0.5B step of 64
+    (rows of 4096 tokens by default) under each of `STEP_OPTIONS`: ms a step (median of 3 after
+    a warm-up step that also compiles), kernel launches, host waits and the device's busy time
+    of one profiled step, MFU at 0.5B; and, on the warm-up step's weights (the same seed for
+    every option), the mean |log-prob - float32's| of its tokens. Aims: SmolLM2 <= 50 ms, 0.5B
+    >= 30% MFU. An option that fails (liger-kernel absent, a compile error) records its error."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipelinerl.config import Config
+    from pipelinerl.rl.attention import set_packed_attention
+    from pipelinerl.rl.fused import use_liger
+    from pipelinerl.rl.step import rl_step
+    from pipelinerl.trainer import make_optimizer
+
+    dev, res = ctx.device, {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    shapes = {"smollm2": ({**QUICK, "tie_word_embeddings": True} if ctx.quick else SMOLLM2, 32, "llama"),
+              "qwen2_0.5b": (QUICK if ctx.quick else QWEN2_05B, 64, "qwen2")}
+    for shape_name, (shape, batch, family) in shapes.items():
+        rng = random.Random(10)
+        batches = [make_groups(batch // 8, 8, shape["vocab_size"], rng, ctx.quick) for _ in range(5)]
+        reference: torch.Tensor | None = None
+        for name, options in (("float32", {}),) + STEP_OPTIONS:
+            if ctx.seconds_left() < 60:
+                res[f"{shape_name} {name}"] = {"error": "not run: the deadline is near"}
+                continue
+            try:
+                torch.manual_seed(0)
+                with torch.device(dev):
+                    if family == "llama":
+                        model = LlamaForCausalLM(LlamaConfig(**shape)).train()
+                    else:
+                        model = build_hf(shape, dev).train().requires_grad_(True)
+                cfg = Config.model_validate({"trainer": {"batch_size": batch, "max_tokens_per_row": 4096,
+                                                         "device": str(dev), **options},
+                                             "actor": {"group_size": 8}, "metrics": {"samples_per_step": 0}})
+                set_packed_attention(model, cfg.trainer)
+                if cfg.trainer.liger:
+                    use_liger(model, dev)
+                optimizer = make_optimizer(model, cfg.trainer)
+                t0 = time.perf_counter()
+                warm = rl_step(model, optimizer, batches[0], cfg, 0, keep_groups=len(batches[0]))
+                first_s = time.perf_counter() - t0
+                logprobs = torch.tensor([lp for s in warm["scored"] for lp in s.logprobs])
+                times, tokens = [], 0
+                for groups in batches[1:4]:
+                    seconds, metrics = timed(ctx, lambda: rl_step(model, optimizer, groups, cfg, 0))
+                    times.append(seconds)
+                    tokens += metrics["input_tokens"]
+                with profile(activities=activities) as prof:
+                    rl_step(model, optimizer, batches[4], cfg, 0)
+                    ctx.sync()
+                events = prof.key_averages()
+                count = lambda names: sum(e.count for e in events if e.key in names)  # noqa: E731
+                params = sum(p.numel() for p in model.parameters())
+                entry = {"step_ms": 1e3 * statistics.median(times), "first_step_s": first_s,
+                         "tokens_per_step": tokens / len(times),
+                         "mfu_vs_989T": 6 * params * tokens / sum(times) / H100_BF16_DENSE_FLOPS,
+                         "kernel_launches": count(_LAUNCHES), "device_waits": count(_WAITS),
+                         "value_reads": count(("aten::_local_scalar_dense",)),
+                         "device_busy_ms": sum(e.self_device_time_total for e in events) / 1e3
+                         if dev.type == "cuda" else None}
+                if reference is None:
+                    reference = logprobs
+                elif len(logprobs) == len(reference):
+                    entry["logprob_gap_mean"] = float((logprobs - reference).abs().mean())
+                    entry["logprob_gap_max"] = float((logprobs - reference).abs().max())
+                if dev.type == "cuda":
+                    entry["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+                    torch.cuda.reset_peak_memory_stats(dev)
+                res[f"{shape_name} {name}"] = entry
+                log(f"  step options {shape_name} {name}: {entry}")
+            except Exception:  # noqa: BLE001 - one option failing must not stop the others
+                res[f"{shape_name} {name}"] = {"error": traceback.format_exc()[-1500:]}
+                log(f"  step options {shape_name} {name} FAILED: {res[f'{shape_name} {name}']['error'][-300:]}")
+            finally:
+                model = optimizer = None
+                torch._dynamo.reset()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return res
+
+
 # -- 8. SmolLM2 learning: pipeline vs conventional G=2 ---------------------------------------
 
 SMOLLM2_OVERHEAD_S = 60
@@ -936,15 +1038,21 @@ def check_smollm2(ctx: Ctx) -> dict[str, Any]:
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "1": check_correctness, "2": check_engine, "3": check_pause, "4": check_trainer, "5": check_pipeline,
     "6": check_profile, "7": check_step_profile, "8": check_smollm2, "9": check_trainer_profile,
+    "10": check_step_options,
 }
 NAMES = {"1": "correctness", "2": "engine", "3": "pause", "4": "trainer", "5": "pipeline",
-         "6": "engine_profile", "7": "step_profile", "8": "smollm2", "9": "trainer_profile"}
+         "6": "engine_profile", "7": "step_profile", "8": "smollm2", "9": "trainer_profile",
+         "10": "step_options"}
 
 
 PLANS: dict[str, dict[str, Any]] = {
     "issue35": {"doc": "what issue 35 measures, in one call of at most 9 minutes: checks 7,2,4,8, "
                        "capacities 64,256 without HF, two trainer settings, all ended by 510 s",
                 "args": {"checks": "7,2,4,8", "capacities": "64,256", "no_hf": True, "deadline_s": 510}},
+    "issue54": {"doc": "issue 54 part 1, in one call of at most 9 minutes: check 10 (the training "
+                       "step's options at the SmolLM2 and 0.5B shapes), then check 7 to compare with "
+                       "issue 35's profile, all ended by 510 s",
+                "args": {"checks": "10,7", "deadline_s": 510}},
 }
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's GPU measurements in one call on a lent H100/H200 (../shared/GPU.md), in three steps:
+# Issue 35's and issue 54's GPU measurements on a lent H100/H200 (../shared/GPU.md), in three steps:
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare
 #                  wheels the GPU machine lacks (cp312), SmolLM2's GGUF in two parts and the
@@ -13,6 +13,11 @@
 #                  from HEAD's code (at most 510 s: a commit to name beside the figures, whatever
 #                  the working tree holds); results in $OUT/gpu.md and $OUT/gpu.json as each
 #                  check ends
+#   issue 54 part 1 (one call, carry gpu_carry/part2, timeout_s 580, no GGUF needed):
+#                  bash benchmarks/gpu_session.sh run54
+#                  installs the wheels (liger-kernel among them), runs `benchmarks/gpu.py --plan
+#                  issue54` from HEAD's code: the training step's options (bf16 compute weights,
+#                  token micro-batches, compile, liger) at the SmolLM2 and 0.5B shapes
 set -euo pipefail
 
 CARRY=gpu_carry
@@ -20,7 +25,7 @@ GGUF="${GGUF:-$HOME/.cache/pipelinerl/models/gguf/SmolLM2-135M-Instruct.Q4_1.ggu
 # What the GPU machine lacks (GPU.md), at the versions this project is tested with.
 WHEELS=(pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
         redis==8.1.0 pebble==5.2.3 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0
-        xxhash==4.1.0)
+        xxhash==4.1.0 liger-kernel==0.8.5)
 
 case "${1:-}" in
   prepare)
@@ -40,6 +45,14 @@ case "${1:-}" in
   stage)
     cp "$CARRY/part1/smol.gguf.a" /tmp/smol.gguf.a && ls -la /tmp/smol.gguf.a
     ;;
+  run54)
+    pip install --quiet --no-index --no-deps --target /tmp/site "$CARRY"/part2/wheels/*.whl
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    echo "code: $(cat "$CARRY/part2/head.commit")"
+    out=$(realpath -m "${OUT:-gpu-out}")
+    rm -rf /tmp/head && mkdir -p /tmp/head && tar -xf "$CARRY/part2/head.tar" -C /tmp/head
+    cd /tmp/head && PYTHONPATH="src:/tmp/site" python benchmarks/gpu.py --plan issue54 --out "$out"
+    ;;
   run)
     pip install --quiet --no-index --no-deps --target /tmp/site "$CARRY"/part2/wheels/*.whl
     cat /tmp/smol.gguf.a "$CARRY/part2/smol.gguf.b" > /tmp/smol.gguf
@@ -52,6 +65,6 @@ case "${1:-}" in
       --gguf /tmp/smol.gguf --out "$out"
     ;;
   *)
-    echo "usage: $0 prepare | stage | run   (see the comment at the top)" >&2; exit 2
+    echo "usage: $0 prepare | stage | run | run54   (see the comment at the top)" >&2; exit 2
     ;;
 esac

@@ -63,6 +63,8 @@ def rl_step(
     step computed for each of their samples (`pipelinerl.samples.Capture`, one copy to the host).
     The forward and backward run in `trainer.precision`, on `trainer.compute_dtype` weights,
     with `trainer.compile`'s compiled layers and loss or `trainer.liger`'s fused kernels.
+    One rank's step reads the device twice: its sums and gradient norm before the optimizer's
+    step, its statistics after it (tests/test_launch_budgets.py).
     """
     if cfg.trainer.compile:
         compile_layers(model)
