@@ -217,7 +217,7 @@ def test_malformed_unknown_bad_arguments_and_over_the_limit_calls_get_reasons_no
         assert "bad arguments for add: a: 'two' is not of type 'integer'" in calls[2]["reply"]
         assert calls[3]["reply"] == "2" and "at most 2 per episode" in calls[4]["reply"]
         assert reply.count("<tool_response>") == 5
-        stats = rollouts.pool.snapshot()
+        stats = rollouts.stats.tool_snapshot()
         assert stats["tool_bad_calls"] == 3 and stats["tool_over_limits"] == 1
         assert stats["tool_well_formed_frac"] == pytest.approx(2 / 5)
         assert stats["tool_calls_add"] == 2
@@ -399,6 +399,7 @@ def test_a_server_that_does_not_start_answers_nothing_or_lists_no_tools_is_named
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_hundreds_of_concurrent_rollout_sessions_against_one_http_server(
         http_server: str) -> None:
     """300 rollouts at once, each with a session of its own (up to max_sessions=300 open),

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipelinerl.stop_signals import StopSignals, install_role_signal_handlers
@@ -27,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
     mode = train.add_mutually_exclusive_group()
     mode.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    train.add_argument("--replay-tools", metavar="RUN_DIR", default=None,
+                       help="take the tool replies recorded in RUN_DIR instead of calling "
+                       "(tools.replay_from; with deterministic.enabled a rerun is bit for bit)")
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in its directory from its newest checkpoint")
     train.add_argument("--auto-resume", action="store_true",
@@ -59,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser("prepare", help="fetch a known model (or dequantize a .gguf file) "
                                              "into the user cache, once; prints its directory")
     prepare.add_argument("model", help="a known model's name (smollm2) or a .gguf file")
+
+    tools = sub.add_parser("tools", help="list the tools a config offers the model, or call one "
+                           "(--call NAME JSON)")
+    from pipelinerl.tools.command import add_arguments as tools_arguments
+
+    tools_arguments(tools)
 
     evaluate = sub.add_parser("eval", help="evaluate a saved model on the task's held-out set")
     evaluate.add_argument("model_dir", help="a local Hugging Face model directory (e.g. RUN/final)")
@@ -187,6 +197,13 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
         cfg.model.path = resolve_model_path(cfg.model.path)
         if args.command == "eval":
             args.model_dir = resolve_model_path(args.model_dir)
+        if args.command == "train" and args.replay_tools:
+            replay = Path(args.replay_tools).absolute()
+            if not (replay / "tool_replies").is_dir():
+                print(f"pipelinerl: --replay-tools {args.replay_tools}: no tool_replies/ there "
+                      "(a run directory of a run with tools)", file=sys.stderr)
+                return 2
+            cfg.tools.replay_from = str(replay)
     except ConfigError as err:
         print(f"pipelinerl: {err}", file=sys.stderr)
         return 2
@@ -203,6 +220,11 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
             cfg.trainer.max_restarts = 3
         return launch(cfg, overwrite=args.overwrite, resume=args.resume, resume_command=again,
                       signals=signals)
+    if args.command == "tools":
+        from pipelinerl.tools.command import main as tools_main
+
+        signals.hand_back()
+        return tools_main(cfg, args.call)
     if args.command == "eval":
         from pipelinerl.evaluation import evaluate_saved_model
 

@@ -292,6 +292,7 @@ def launch(cfg: Config, overwrite: bool = False, resume: bool = False,
             given_model = bool(cfg.model.path)
             if given_model:  # refused before the run directory is touched
                 check_model(cfg)
+            check_tools(cfg)
             with signals.interrupting():  # the warm start: minutes with no loop to check
                 cfg = prepare_run(cfg, overwrite, resume)
             if not given_model:  # the warm-started one, or the resumed run's
@@ -353,6 +354,27 @@ def check_task(cfg: Config) -> None:
             raise SystemExit(f"pipelinerl: task {cfg.task.name!r} renders chat messages: "
                              "model.path must name a model with a chat template (the warm-started "
                              f"char model has none; model.path={cfg.model.path!r})")
+
+
+def check_tools(cfg: Config) -> None:
+    """Start the config's tools once as the roles will (functions imported, each MCP server
+    started and listed, the chat template able to render them), so that a server that does not
+    start, answers nothing or lists no tools stops the launch in one line naming it."""
+    if not cfg.tools.enabled:
+        return
+    if not cfg.model.path:
+        raise SystemExit("pipelinerl: tools need model.path, a model with a chat template (the "
+                         "warm-started char model has none)")
+    from pipelinerl.models.hf import load_tokenizer
+    from pipelinerl.tasks import make_task
+    from pipelinerl.tools.task import open_tools, refuse_unsupported
+
+    try:
+        refuse_unsupported(cfg, make_task(cfg.task.name, cfg.task.params))
+        host, *_ = open_tools(cfg, load_tokenizer(cfg.model.path))
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        raise SystemExit(f"pipelinerl: {e}") from e
+    host.close()
 
 
 def check_model(cfg: Config) -> None:

@@ -42,6 +42,9 @@ WALL_CLOCK_FIELDS = frozenset({
     "actor_tokens_per_s", "actor_idle_frac", "actor_slot_time_frac", "actor_decode_time_frac",
     "actor_last_update_pause_s", "actor_mean_update_pause_s", "actor_env_latency_mean_s",
     "actor_env_wait_frac", "eval/duration_s",
+    # Process events and measurements of the tools' host (a replayed run replays by design).
+    "actor_tool_latency_mean_s", "actor_tool_server_restarts", "actor_tool_replayed",
+    "actor_tool_replay_misses",
 })
 
 

@@ -159,14 +159,15 @@ def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def family_model(family: str, out: Path) -> Path:
-    """A tiny qwen2 model directory with `family`'s tokenizer (its EOS ids in the configs)."""
+def family_model(family: str, out: Path, more_stops: str = "") -> Path:
+    """A tiny qwen2 model directory with `family`'s tokenizer (its EOS ids in the configs);
+    `more_stops`: characters that end a message too (so a random model's turns are short)."""
     from tiny_models import tiny_hf_model
 
     from pipelinerl.models.hf import save_model
 
     tokenizer = family_tokenizer(family)
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in FAMILIES[family][2]]
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in [*FAMILIES[family][2], *more_stops]]
     model = tiny_hf_model("qwen2", vocab_size=len(tokenizer), max_position_embeddings=2048,
                           eos_token_id=eos[0], bos_token_id=None, pad_token_id=0)
     save_model(model, tokenizer, out)

@@ -68,13 +68,37 @@ class EnvStats:
     failures: Counter = field(default_factory=Counter)
     wait_slot_s: float = 0.0  # engine slot-seconds spent waiting for the environment
 
+    # Tool calls (pipelinerl.tools) by outcome and by tool, counted as their replies are
+    # applied (on the decode clock, so a deterministic run counts the same).
+    tool_outcomes: Counter = field(default_factory=Counter)
+    tool_names: Counter = field(default_factory=Counter)
+
+    def count_calls(self, calls: tuple[dict, ...]) -> None:
+        self.tool_outcomes.update(c["outcome"] for c in calls)
+        self.tool_names.update(c["name"] or "?" for c in calls)
+
     def counts(self) -> dict[str, object]:
         """The counters of the logical clocks (a deterministic snapshot's; the rest are
         wall-clock)."""
-        return {"calls": self.calls, "failures": Counter(self.failures)}
+        return {"calls": self.calls, "failures": Counter(self.failures),
+                "tool_outcomes": Counter(self.tool_outcomes),
+                "tool_names": Counter(self.tool_names)}
 
     def restore_counts(self, counts: dict[str, object]) -> None:
         self.calls, self.failures = counts["calls"], Counter(counts["failures"])
+        self.tool_outcomes = Counter(counts.get("tool_outcomes", {}))
+        self.tool_names = Counter(counts.get("tool_names", {}))
+
+    def tool_snapshot(self) -> dict[str, float]:
+        calls = sum(self.tool_outcomes.values())
+        if not calls:
+            return {}
+        return {
+            "tool_calls": calls,
+            "tool_well_formed_frac": 1 - self.tool_outcomes["tool_bad_call"] / calls,
+            **{f"tool_{o.removeprefix('tool_')}s": n for o, n in self.tool_outcomes.items()},
+            **{f"tool_calls_{name}": n for name, n in self.tool_names.items()},
+        }
 
     def snapshot(self, elapsed_s: float, capacity: int) -> dict[str, float]:
         return {
@@ -82,6 +106,7 @@ class EnvStats:
             "env_latency_mean_s": self.latency_s / max(self.calls, 1),
             "env_wait_frac": self.wait_slot_s / max(elapsed_s * capacity, 1e-9),
             **{f"env_{reason.removeprefix('env_')}s": n for reason, n in self.failures.items()},
+            **self.tool_snapshot(),
         }
 
 
@@ -203,6 +228,7 @@ class Rollouts:
         """Append the reply and start the model's next turn; or the reason the rollout ends."""
         t.turn_reward += reply.reward
         t.tool_calls += reply.calls
+        self.stats.count_calls(reply.calls)
         if reply.done:
             return "stop"
         if t.model_turns >= self.env.max_turns:  # the environment wanted more: cut short

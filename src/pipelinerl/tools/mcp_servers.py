@@ -54,8 +54,18 @@ def _client(cfg: McpServerConfig, timeout_s: float) -> Any:
         return Client(cfg.url, mode="legacy", read_timeout_seconds=timeout_s)
     params = StdioServerParameters(command=cfg.command[0], args=cfg.command[1:],
                                    env={**os.environ, **cfg.env})
-    return Client(stdio_client(params, errlog=sys.stderr), mode="legacy",
+    return Client(stdio_client(params, errlog=_errlog()), mode="legacy",
                   read_timeout_seconds=timeout_s)
+
+
+def _errlog() -> Any:
+    """Where a stdio server's stderr goes: the role's, or the process's own when that was
+    replaced by something without a file descriptor (a server needs one)."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
 
 
 class McpServer:

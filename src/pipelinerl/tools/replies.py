@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from queue import Empty, SimpleQueue
 from typing import Any, Callable
 
@@ -33,38 +33,32 @@ FAILURES = ("tool_error", "tool_timeout", "tool_server_restart")
 
 
 class ToolStats:
-    """Calls by tool and outcome, for the actor's metrics."""
+    """What the host measured of the calls (wall-clock and process events; the calls by
+    outcome and tool are counted on the decode clock, `envs.rollout.EnvStats`)."""
 
     def __init__(self) -> None:
-        self.outcomes: Counter[str] = Counter()
-        self.by_tool: Counter[str] = Counter()
+        self.calls = 0
         self.latency_s = 0.0
-        self.turns_with_calls = 0
 
     def add(self, record: dict[str, Any]) -> None:
-        self.outcomes[record["outcome"]] += 1
-        self.by_tool[record["name"] or "?"] += 1
+        self.calls += 1
         self.latency_s += record["latency_s"]
 
     def snapshot(self, restarts: int, log: ToolLog) -> dict[str, float]:
-        calls = sum(self.outcomes.values())
-        well_formed = calls - self.outcomes["tool_bad_call"]
         return {
-            "tool_calls": calls,
-            "tool_well_formed_frac": well_formed / max(calls, 1),
-            "tool_latency_mean_s": self.latency_s / max(calls, 1),
+            "tool_latency_mean_s": self.latency_s / max(self.calls, 1),
             "tool_server_restarts": restarts,
             "tool_replayed": log.replayed,
             "tool_replay_misses": log.misses,
-            **{f"tool_{o.removeprefix('tool_')}s": n for o, n in self.outcomes.items()},
-            **{f"tool_calls_{name}": n for name, n in self.by_tool.items()},
         }
 
 
 class ToolReplies:
     def __init__(self, host: ToolHost, chat: ToolChat, parse: Callable[[str], Parsed],
-                 cfg: ToolsConfig, log: ToolLog) -> None:
+                 cfg: ToolsConfig, log: ToolLog, deterministic: bool = False) -> None:
+        """`deterministic`: a sample's calls carry no latency (so runs replay bit for bit)."""
         self.host, self.chat, self.parse, self.cfg, self.log = host, chat, parse, cfg, log
+        self.deterministic = deterministic
         self.stats = ToolStats()
         self._calls: defaultdict[str, int] = defaultdict(int)  # per rollout
         self._submitted: dict[str, float] = {}
@@ -119,14 +113,11 @@ class ToolReplies:
         parsed = self.parse(text)
         if not parsed.any:
             return Reply(done=True), ""
-        self.stats.turns_with_calls += 1
         planned: list[tuple[ToolCall | None, str]] = [(None, f"error: {e}")
                                                       for e in parsed.errors]
         planned += [(call, self._refusal(key, call)) for call in parsed.calls]
         records = await asyncio.gather(*(self._answer(key, turn, i, call, refusal)
                                          for i, (call, refusal) in enumerate(planned)))
-        for record in records:
-            self.stats.add(record)
         failed = [r["outcome"] for r in records if r["outcome"] in FAILURES]
         if failed and self.cfg.on_error == "drop":
             return None, failed[0]
@@ -154,17 +145,21 @@ class ToolReplies:
                                   "name": name, "arguments": arguments}
         if refusal:
             over = refusal.startswith("error: no more calls")
-            return {**record, "reply": refusal, "latency_s": 0.0,
-                    "outcome": "tool_over_limit" if over else "tool_bad_call"}
+            record.update(reply=refusal, latency_s=0.0,
+                          outcome="tool_over_limit" if over else "tool_bad_call")
+            return record
         assert call is not None
         recorded = self.log.recorded_reply(record["key"], name, arguments)
-        if recorded is not None:
-            result = CallResult(recorded["reply"], recorded["outcome"], 0.0)
+        if recorded is not None:  # the recorded call's own latency, so the sample is the same
+            result = CallResult(recorded["reply"], recorded["outcome"], recorded["latency_s"])
         else:
             result = await self.host.call(key, call)
         record.update(reply=_cut(result.text, self.cfg.max_reply_chars), outcome=result.outcome,
-                      latency_s=round(result.latency_s, 6), replayed=recorded is not None)
-        self.log.append(record)
+                      latency_s=round(result.latency_s, 6))
+        self.log.append({**record, "replayed": recorded is not None})
+        self.stats.add(record)
+        if self.deterministic:  # a wall-clock figure: in the log and the metrics only
+            del record["latency_s"]
         return record
 
 

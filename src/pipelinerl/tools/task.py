@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transformers import PreTrainedTokenizerBase
 
@@ -20,7 +20,7 @@ from pipelinerl.models.prompts import Codec
 from pipelinerl.tasks.base import Task
 from pipelinerl.tasks.environment import is_environment
 from pipelinerl.tools.chat import ToolChat
-from pipelinerl.tools.formats import parser_for
+from pipelinerl.tools.formats import Parsed, parser_for
 from pipelinerl.tools.host import ToolHost
 from pipelinerl.tools.record import ToolLog
 from pipelinerl.tools.replies import ToolReplies
@@ -64,24 +64,37 @@ def refuse_unsupported(cfg: Config, task: Task) -> None:
                          "tool-using one")
 
 
+def open_tools(cfg: Config, tokenizer: PreTrainedTokenizerBase
+               ) -> tuple[ToolHost, ToolChat, Callable[[str], Parsed], str]:
+    """The role's tools started (functions loaded, MCP servers started and listed), their
+    chat rendering, the call parser and the format's name; a wrong part is refused with one
+    line naming it (ValueError, RuntimeError)."""
+    tools = cfg.tools
+    host = ToolHost(tools, workers=cfg.actor.env_workers)
+    try:
+        chat = ToolChat(tokenizer, list(host.specs.values()), cfg.task.system_prompt)
+        fmt, parse = parser_for(tools.format, tokenizer.chat_template)
+    except BaseException:
+        host.close()
+        raise
+    return host, chat, parse, fmt
+
+
 def equip(cfg: Config, task: Task, codec: Codec, tokenizer: PreTrainedTokenizerBase,
           role: str, run_dir: Path | None = None) -> tuple[ToolTask, Codec]:
     """The role's tools started; the tool task and the codec that renders them. `role`:
     which of the run's records is this one's (`actor0`, `evaluator`). The tools stop when
     the rollouts close their reply pool (`ToolReplies.close`)."""
     refuse_unsupported(cfg, task)
-    tools = cfg.tools
-    host = ToolHost(tools, workers=cfg.actor.env_workers)
+    host, chat, parse, _ = open_tools(cfg, tokenizer)
+    replay = [Path(cfg.tools.replay_from)] if cfg.tools.replay_from else []
+    if cfg.deterministic.enabled and cfg.attempt > 0 and run_dir is not None:
+        replay.append(run_dir)  # a resume takes what its crashed attempt recorded
     try:
-        chat = ToolChat(tokenizer, list(host.specs.values()), cfg.task.system_prompt)
-        _, parse = parser_for(tools.format, tokenizer.chat_template)
-        replay = [Path(tools.replay_from)] if tools.replay_from else []
-        if cfg.deterministic.enabled and cfg.attempt > 0 and run_dir is not None:
-            replay.append(run_dir)  # a resume takes what its crashed attempt recorded
         log = ToolLog(run_dir, role, replay)
     except BaseException:
         host.close()
         raise
-    replies = ToolReplies(host, chat, parse, tools, log)
+    replies = ToolReplies(host, chat, parse, cfg.tools, log, cfg.deterministic.enabled)
     encode = lambda prompt: encode_prompt(tokenizer, chat.prompt_text(prompt))  # noqa: E731
-    return ToolTask(task, replies, tools.max_calls + 1), replace(codec, encode=encode)
+    return ToolTask(task, replies, cfg.tools.max_calls + 1), replace(codec, encode=encode)
