@@ -4,7 +4,7 @@ PY ?= python3
 .PHONY: install test test-slow test-vllm test-browser test-redis5 demo redis sandbox browser
 
 install:
-	$(PY) -m pip install -q -e ".[test,math,code,reasoning-gym,verifiers,logging]"
+	$(PY) -m pip install -q -e ".[test,math,code,reasoning-gym,verifiers,openenv,logging]"
 
 # Fast tests, then the slow end-to-end ones (their own step: separate pytest runs), each over
 # TEST_WORKERS pytest-xdist workers. Two fill two cores: one test's run alone leaves ~30% of

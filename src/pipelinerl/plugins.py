@@ -13,7 +13,9 @@ from typing import Any
 # import path to a callable taking the id and the task's params): tasks/ finds them here
 # without importing envs/, which builds on tasks/.
 VERIFIERS = "verifiers:"
-TASK_PREFIXES = {VERIFIERS: "pipelinerl.envs.verifiers.task:VerifiersTask"}
+OPENENV = "openenv:"
+TASK_PREFIXES = {VERIFIERS: "pipelinerl.envs.verifiers.task:VerifiersTask",
+                 OPENENV: "pipelinerl.envs.openenv:OpenEnvTask"}
 
 
 def working_directory_on_path() -> None:
