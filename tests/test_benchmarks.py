@@ -45,6 +45,7 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
         ("weight_sync.py", "weight_sync", "| params | MB | channel"),
         ("weight_sync.py --cast", "weight_sync_cast", "| params | channel | MB sent and held"),
         ("scoring.py", "scoring", "| verifier | verifier processes"),
+        ("tools.py", "tools", "| tool | ms/call (median) | p95"),
         # SmolLM2, prepared into the user cache (tests/test_real_model.py does it too).
         ("real_model.py", "real_model", "| max new tokens | dtype | torch engine tok/s"),
         ("endpoint.py", "endpoint", "| repeat | in-process tok/s | endpoint tok/s"),
