@@ -12,7 +12,6 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import jsonschema
 from pydantic import create_model
 
 
@@ -58,6 +57,8 @@ def function_spec(fn: Callable[..., Any], source: str) -> ToolSpec:
 
 def argument_errors(spec: ToolSpec, arguments: Any) -> str:
     """Why `arguments` do not fit the spec's schema ("" when they do)."""
+    import jsonschema  # the mcp SDK's dependency; imported where calls are checked
+
     if not isinstance(arguments, dict):
         return f"arguments must be a JSON object, not {type(arguments).__name__}"
     errors = sorted(jsonschema.Draft202012Validator(spec.parameters).iter_errors(arguments),
