@@ -43,10 +43,9 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from queue import Empty, SimpleQueue
 from typing import Any, Awaitable, Callable, TypeVar
 
-from pipelinerl.envs.pool import EnvResult
+from pipelinerl.envs.pool import FutureReplies
 from pipelinerl.plugins import OPENENV, import_object
 from pipelinerl.tasks.base import Problem, Score
 from pipelinerl.tasks.environment import Reply, Turn
@@ -445,50 +444,22 @@ class _Session:
     step: int = 0  # steps asked of it, bad actions included
 
 
-class OpenEnvSessions:
+class OpenEnvSessions(FutureReplies):
     """The rollouts' episodes: one WebSocket session each, on the task's loop (the reply pool
     of `pipelinerl.envs.rollout`; `EnvPool`'s interface)."""
 
     def __init__(self, task: OpenEnvTask, timeout_s: float) -> None:
+        super().__init__()
         self.task = task
         self.timeout_s = timeout_s
         self.counts: Counter[str] = Counter()  # sessions, steps, bad actions
         self._warned_mismatch = False
         self._open: dict[str, _Session] = {}
         self._slots = asyncio.Semaphore(task.max_sessions)
-        self._submitted: dict[str, float] = {}
-        self._finished: SimpleQueue[EnvResult] = SimpleQueue()
-
-    def pending(self) -> int:
-        return len(self._submitted)
 
     def submit(self, key: str, problem: Problem, turns: list[Turn],
                ended_on: str | None = None) -> None:
-        self._submitted[key] = time.monotonic()
-        future = self.task.loop.submit(self._answer(key, problem, turns[-1].text))
-        future.add_done_callback(lambda f, key=key: self._done(key, f))
-
-    def _done(self, key: str, future: Any) -> None:
-        latency = time.monotonic() - self._submitted.pop(key)
-        if future.exception() is not None:  # a bug of ours: the rollout ends, counted
-            log.warning("OpenEnv step of %s failed: %r", key, future.exception())
-            self._finished.put(EnvResult(key, None, "env_error", latency))
-            return
-        reply, failure = future.result()
-        self._finished.put(EnvResult(key, reply, failure, latency))
-
-    def poll(self) -> list[EnvResult]:
-        results = []
-        while not self._finished.empty():
-            results.append(self._finished.get())
-        return results
-
-    def wait(self, timeout_s: float) -> None:
-        try:
-            result = self._finished.get(timeout=timeout_s)
-        except Empty:
-            return
-        self._finished.put(result)
+        self._track(key, self.task.loop.submit(self._answer(key, problem, turns[-1].text)))
 
     def end(self, key: str) -> None:
         self.task.loop.submit(self._close(key))

@@ -116,3 +116,46 @@ def _failure(future: Future) -> str:
     if isinstance(exc, (BrokenProcessPool, ProcessExpired)):
         return "env_crash"
     return "env_error"
+
+
+class FutureReplies:
+    """The reply-pool bookkeeping of an environment that computes its replies as futures (on
+    an event loop of its own: tools, OpenEnv): each rollout's future, once done, becomes an
+    EnvResult that `poll` hands out; a future that raised (a bug, not the environment's
+    failure) ends its rollout as `env_error`."""
+
+    def __init__(self) -> None:
+        self._submitted: dict[str, float] = {}
+        self._finished: SimpleQueue[EnvResult] = SimpleQueue()
+
+    def pending(self) -> int:
+        return len(self._submitted)
+
+    def _track(self, key: str, future: Future) -> None:
+        """`future` gives (reply, failure) for rollout `key`."""
+        self._submitted[key] = time.monotonic()
+        future.add_done_callback(lambda f, key=key: self._done(key, f))
+
+    def _done(self, key: str, future: Future) -> None:
+        latency = time.monotonic() - self._submitted.pop(key)
+        if (error := future.exception()) is not None:
+            log.warning("the reply to %s failed: %r", key, error)
+            self._finished.put(EnvResult(key, None, "env_error", latency))
+            return
+        reply, failure = future.result()
+        self._finished.put(EnvResult(key, reply, failure, latency))
+
+    def poll(self) -> list[EnvResult]:
+        """The replies that came back, without waiting."""
+        results = []
+        while not self._finished.empty():
+            results.append(self._finished.get())
+        return results
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some reply comes back or `timeout_s` passes."""
+        try:
+            result = self._finished.get(timeout=timeout_s)
+        except Empty:
+            return
+        self._finished.put(result)

@@ -14,13 +14,11 @@ past `tools.max_calls` in the rollout is `tool_over_limit` (not run); a tool tha
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
-from queue import Empty, SimpleQueue
 from typing import Any, Callable
 
 from pipelinerl.config import ToolsConfig
-from pipelinerl.envs.pool import EnvResult
+from pipelinerl.envs.pool import FutureReplies
 from pipelinerl.tasks.base import Problem
 from pipelinerl.tasks.environment import Reply, Turn
 from pipelinerl.tools.chat import Answered, ToolChat
@@ -53,48 +51,21 @@ class ToolStats:
         }
 
 
-class ToolReplies:
+class ToolReplies(FutureReplies):
     def __init__(self, host: ToolHost, chat: ToolChat, parse: Callable[[str], Parsed],
                  cfg: ToolsConfig, log: ToolLog, deterministic: bool = False) -> None:
         """`deterministic`: a sample's calls carry no latency (so runs replay bit for bit)."""
+        super().__init__()
         self.host, self.chat, self.parse, self.cfg, self.log = host, chat, parse, cfg, log
         self.deterministic = deterministic
         self.stats = ToolStats()
         self._calls: defaultdict[str, int] = defaultdict(int)  # per rollout
-        self._submitted: dict[str, float] = {}
-        self._finished: SimpleQueue[EnvResult] = SimpleQueue()
 
     # -- the reply pool's interface (pipelinerl.envs.pool.EnvPool's) -------------------------
-    def pending(self) -> int:
-        return len(self._submitted)
-
     def submit(self, key: str, problem: Problem, turns: list[Turn],
                ended_on: str | None = None) -> None:
-        self._submitted[key] = time.monotonic()
         turn = sum(t.role == "model" for t in turns) - 1
-        future = self.host.submit(self._respond(key, turn, turns[-1].text, ended_on))
-        future.add_done_callback(lambda f, key=key: self._done(key, f))
-
-    def _done(self, key: str, future: Any) -> None:
-        latency = time.monotonic() - self._submitted.pop(key)
-        if (error := future.exception()) is not None:  # a bug of ours: the rollout ends
-            self._finished.put(EnvResult(key, None, "env_error", latency))
-            return
-        reply, failure = future.result()
-        self._finished.put(EnvResult(key, reply, failure, latency))
-
-    def poll(self) -> list[EnvResult]:
-        results = []
-        while not self._finished.empty():
-            results.append(self._finished.get())
-        return results
-
-    def wait(self, timeout_s: float) -> None:
-        try:
-            result = self._finished.get(timeout=timeout_s)
-        except Empty:
-            return
-        self._finished.put(result)
+        self._track(key, self.host.submit(self._respond(key, turn, turns[-1].text, ended_on)))
 
     def end(self, key: str) -> None:
         self._calls.pop(key, None)
