@@ -74,7 +74,7 @@ else:
     model = load_model(path).train()
     set_packed_attention(model, cfg.trainer)
     try:
-        from pipelinerl.trainer import make_optimizer  # the trainer's own, where the tree has it
+        from pipelinerl.roles.trainer import make_optimizer  # the trainer's own, where the tree has it
         optimizer = make_optimizer(model, cfg.trainer)
     except ImportError:  # what the trainer built before make_optimizer
         tc = cfg.trainer

@@ -40,7 +40,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _results import environment, keep_run, kept_rows, table, train, write_section  # noqa: E402
 
-from pipelinerl.replay import WALL_CLOCK_FIELDS  # noqa: E402
+from pipelinerl.run.replay import WALL_CLOCK_FIELDS  # noqa: E402
 
 ROOT = BENCH.parent
 CONFIG = ROOT / "examples" / "arithmetic.yaml"

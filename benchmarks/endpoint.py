@@ -5,7 +5,7 @@ benchmark's workload (chat-templated numbers questions in groups of 8, imposed l
 completion lengths, temperature 1). In process: every request added to the engine, stepped to
 the end (what the actor does for its own groups). Endpoint: the same requests POSTed to
 `/inference/v1/generate` by as many client threads as the engine has slots, while a loop like
-the actor's takes them between decode steps and answers finished ones (`pipelinerl.endpoint`);
+the actor's takes them between decode steps and answers finished ones (`pipelinerl.rollouts.endpoint`);
 clients, server and engine share one process, as verifiers' episodes would share the actor's.
 Both on fresh engines with the same seed; tokens/s is wall-clock.
 
@@ -31,9 +31,9 @@ import torch
 from engine import Workload, run_engine
 from real_model import make_workload
 
-from pipelinerl.endpoint import GenerateEndpoint
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.rollouts.endpoint import GenerateEndpoint
 
 
 def _engine(path: Path, capacity: int, max_seq_len: int) -> TorchEngine:

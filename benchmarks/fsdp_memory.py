@@ -54,7 +54,7 @@ def _reset_peak() -> None:
 
 def _load(path: str, way: str, tc, world: int, chunk_bytes: int | None) -> torch.nn.Module:
     from pipelinerl.models.hf import load_model
-    from pipelinerl.parallel import load_shards, wrap_model
+    from pipelinerl.rl.parallel import load_shards, wrap_model
 
     if way == "before":
         return wrap_model(load_model(path, device="cpu").train(), tc, "cpu", world)
@@ -68,7 +68,7 @@ def _rank(rank: int, world: int, init: str, path: str, warmup: str, way: str,
     import torch.distributed as dist
 
     from pipelinerl.config import load_config
-    from pipelinerl.parallel import GatheredWeights
+    from pipelinerl.rl.parallel import GatheredWeights
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, init: str, path: str, warmup: str, way: str,
 
 def measure(path: str, warmup: str, way: str, world: int, chunk_bytes: int | None
             ) -> list[dict]:
-    from pipelinerl.ports import free_port
+    from pipelinerl.proc.ports import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -443,8 +443,8 @@ def check_profile(ctx: Ctx) -> dict[str, Any]:
 # -- 3. in-flight update pause --------------------------------------------------------------------
 
 def check_pause(ctx: Ctx) -> dict[str, Any]:
+    from pipelinerl.roles.trainer import trainer_weights
     from pipelinerl.sync.shm import ShmWeightReceiver, ShmWeightSender
-    from pipelinerl.trainer import trainer_weights
 
     dev, res = ctx.device, {}
     shape = QUICK if ctx.quick else QWEN2_05B
@@ -542,7 +542,8 @@ def make_groups(n_groups: int, group_size: int, vocab: int, rng: random.Random, 
 def packing_agrees(model: Any, groups: list[Any], device: torch.device) -> float:
     """max |packed - one sequence per forward| of the trainer's log-probs (fp32): transformers
     must see the packed sequences apart (block-diagonal attention from position_ids)."""
-    from pipelinerl.rl.packing import pack, pad, score_tokens
+    from pipelinerl.rl.packing import pack, pad
+    from pipelinerl.rl.scores import score_tokens
 
     samples = [s for g in groups for s in g.samples][:8]
     adv = torch.zeros(len(samples))
@@ -559,7 +560,7 @@ def check_trainer(ctx: Ctx) -> dict[str, Any]:
     from pipelinerl.config import Config
     from pipelinerl.rl.attention import use_per_sequence_attention
     from pipelinerl.rl.step import rl_step
-    from pipelinerl.trainer import make_optimizer
+    from pipelinerl.roles.trainer import make_optimizer
 
     dev, res = ctx.device, {}
     shape = QUICK if ctx.quick else QWEN2_05B
@@ -626,8 +627,8 @@ def warm_start_on_device(ctx: Ctx, out_dir: Path, steps: int) -> dict[str, Any]:
     """The `small` preset warm-started on the device (the launcher's warm-start runs on CPU)."""
     from pipelinerl.models.hf import save_model
     from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
+    from pipelinerl.models.warmstart import WarmStartConfig, demo_batches
     from pipelinerl.tasks.arithmetic import ChainArithmeticTask
-    from pipelinerl.warmstart import WarmStartConfig, demo_batches
 
     task = ChainArithmeticTask()
     cfg = WarmStartConfig(preset="tiny" if ctx.quick else "small")
@@ -793,7 +794,7 @@ def check_step_profile(ctx: Ctx) -> dict[str, Any]:
     from pipelinerl.config import Config
     from pipelinerl.rl.attention import use_per_sequence_attention
     from pipelinerl.rl.step import rl_step
-    from pipelinerl.trainer import make_optimizer
+    from pipelinerl.roles.trainer import make_optimizer
 
     dev, res = ctx.device, {}
     shape = {**QUICK, "tie_word_embeddings": True} if ctx.quick else SMOLLM2
@@ -847,7 +848,7 @@ def check_trainer_profile(ctx: Ctx) -> dict[str, Any]:
     from pipelinerl.config import Config
     from pipelinerl.rl.attention import set_packed_attention
     from pipelinerl.rl.step import rl_step
-    from pipelinerl.trainer import make_optimizer
+    from pipelinerl.roles.trainer import make_optimizer
 
     dev, res = ctx.device, {}
     shape = QUICK if ctx.quick else QWEN2_05B
@@ -913,7 +914,7 @@ def check_step_options(ctx: Ctx) -> dict[str, Any]:
     from pipelinerl.rl.attention import set_packed_attention
     from pipelinerl.rl.fused import use_liger
     from pipelinerl.rl.step import rl_step
-    from pipelinerl.trainer import make_optimizer
+    from pipelinerl.roles.trainer import make_optimizer
 
     dev, res = ctx.device, {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])

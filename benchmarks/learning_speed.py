@@ -51,7 +51,7 @@ sys.path.insert(0, str(BENCH))
 from _results import environment, load_average, table, this_command, write_section  # noqa: E402
 
 from pipelinerl.config import Config, load_config  # noqa: E402
-from pipelinerl.launch import role_env  # noqa: E402
+from pipelinerl.roles.launch import role_env  # noqa: E402
 
 ROOT = BENCH.parent
 CONFIG = ROOT / "examples" / "arithmetic.yaml"
@@ -321,7 +321,7 @@ def trainer_rates(cfg: Config, model_path: str, threads: tuple[int, ...],
 
 def measure_scaling(cfg: Config, quick: bool) -> dict[str, dict[str, float]]:
     """Samples/s of each role at 1 and 2 threads (1 only in --quick: a smoke, not timed)."""
-    from pipelinerl.launch import starting_model
+    from pipelinerl.roles.launch import starting_model
 
     model_path = cfg.model.path or str(starting_model(cfg))
     threads = (1,) if quick else (1, 2)

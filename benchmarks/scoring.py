@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelinerl.scoring import Scored
+from pipelinerl.rollouts.scoring import Scored
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
 from pipelinerl.tasks.base import Problem, Score
 
@@ -134,12 +134,12 @@ class Measure:
 
 def run_actor(model_dir: Path, tokenizer: Any, delay_s: float, inline: bool,
               warmup_s: float, measure_s: float) -> Measure:
-    from pipelinerl.actor import Actor, Streams
     from pipelinerl.config import Config
     from pipelinerl.engine import EngineOptions
     from pipelinerl.engine.torch_engine import TorchEngine
     from pipelinerl.models.hf import encode_prompt
     from pipelinerl.models.prompts import Codec
+    from pipelinerl.roles.actor import Actor, Streams
 
     engine = TorchEngine.from_pretrained(model_dir, EngineOptions(capacity=CAPACITY, max_seq_len=128))
     trainer = InstantTrainer()

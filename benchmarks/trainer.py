@@ -117,7 +117,8 @@ def padded_loss(model: Any, samples: list[Any], advantages: torch.Tensor) -> flo
 def packed_loss(model: Any, samples: list[Any], advantages: torch.Tensor, row_tokens: int) -> float:
     """Forward + backward through the project's path: pack, score_tokens, reinforce_tis_loss."""
     from pipelinerl.rl.losses import reinforce_tis_loss
-    from pipelinerl.rl.packing import pack, score_tokens
+    from pipelinerl.rl.packing import pack
+    from pipelinerl.rl.scores import score_tokens
 
     total = 0.0
     for batch in pack(samples, advantages, row_tokens):
@@ -166,9 +167,8 @@ def profile_shares(fn: Callable[[], object]) -> tuple[float, dict[str, float]]:
 def bench_preset(preset: str, tokenizer: Any, n_steps: int, batch_size: int,
                  row_sizes: list[int], profile: bool) -> dict[str, Any]:
     from pipelinerl.models.tiny import init_tiny_model
-    from pipelinerl.rl.packing import pack
-
     from pipelinerl.rl.attention import use_per_sequence_attention
+    from pipelinerl.rl.packing import pack
 
     base = init_tiny_model(tokenizer, preset).train()
     batches = make_batches(tokenizer, base, n_steps + 1, batch_size)

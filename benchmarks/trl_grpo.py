@@ -21,7 +21,7 @@ It reads the same config and overrides as a `pipelinerl train` run and keeps wha
   --threads torch threads (default 2: the whole machine).
 TRL generates with Hugging Face `generate` on static batches, then trains: no overlap, no lag.
 
-Held-out evaluation uses pipelinerl.evaluation's code and the config's `eval` settings on a
+Held-out evaluation uses pipelinerl.roles.evaluator's code and the config's `eval` settings on a
 torch engine loaded with the current weights, at version 0, every eval.every_s seconds (or
 eval.every_steps steps) and on the final weights. The training clock stops while it runs:
 `time_s` excludes evaluation, `wall_s` includes it. metrics.jsonl holds the keys a pipelinerl
@@ -51,11 +51,11 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from pipelinerl.config import Config, load_config
-from pipelinerl.evaluation import EvalSetup, build_eval_setup
-from pipelinerl.launch import prepare_run
 from pipelinerl.models.hf import load_model, load_tokenizer
+from pipelinerl.roles.evaluator import EvalSetup, build_eval_setup
+from pipelinerl.roles.launch import prepare_run
+from pipelinerl.roles.trainer import trainer_weights
 from pipelinerl.tasks import Problem, Score, Task, make_train_task
-from pipelinerl.trainer import trainer_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "arithmetic.yaml"

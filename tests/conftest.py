@@ -28,7 +28,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One warm-start cache for the session's runs, shared by the xdist workers (their base
     temp directories' parent): each warm-started model is built once per cache key, a run
-    needing one being built waits on its lock (pipelinerl.cache.building) and reuses it, as
+    needing one being built waits on its lock (pipelinerl.proc.cache.building) and reuses it, as
     a user's runs do. Tests of the warm start itself, or of a Ctrl-C during it, keep their own."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipelinerl.ports import free_port
+from pipelinerl.proc.ports import free_port
 
 SPAWN = mp.get_context("spawn")
 

@@ -16,13 +16,13 @@ import pytest
 from fake_tasks import DiesAtStartTask, FakeTask, OutcomeTask
 from tiny_models import VOCAB, tiny_hf_model
 
-from pipelinerl.admission import LocalLedger, MemoryLedger
-from pipelinerl.actor import Actor, ActorStats, Schedule, Streams
 from pipelinerl.config import Config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.prompts import Codec
-from pipelinerl.scoring import Scorer
+from pipelinerl.roles.actor import Actor, ActorStats, Schedule, Streams
+from pipelinerl.rollouts.admission import LocalLedger, MemoryLedger
+from pipelinerl.rollouts.scoring import Scorer
 from pipelinerl.tasks.math import MathTask
 from pipelinerl.types import GenerationOutput, GenerationRequest
 
@@ -201,7 +201,7 @@ def test_long_prompt_is_skipped_counted_and_takes_no_quota(tmp_path, caplog):
     # that took one of their places would leave the run one group short for ever.
     schedule = Schedule(batch_size=8, group_size=4, max_lag=0)
     actor = make_actor(torch_engine(capacity=8), task, schedule)
-    with caplog.at_level(logging.WARNING, logger="pipelinerl.actor"):
+    with caplog.at_level(logging.WARNING, logger="pipelinerl.roles.actor"):
         actor.run(max_groups=2)
     groups = actor.streams.writer.records
     assert len(groups) == 2 and {g["prompt"] for g in groups} <= {"1+1", "2+2"}
@@ -280,7 +280,7 @@ class ParityEngine(FakeEngine):
 
 @pytest.mark.parametrize("drop", [False, True])
 def test_zero_variance_groups_are_dropped_counted_and_replaced(drop: bool):
-    from pipelinerl.trainer import _aggregate_actor_stats
+    from pipelinerl.roles.trainer import _aggregate_actor_stats
 
     # max_lag 0, no trainer: exactly the 4 groups of step 0 may ever be published. g0 and g3
     # have equal rewards: dropped, they give their indices to g4 and g5, so the batch stays full.
@@ -305,7 +305,7 @@ def test_zero_variance_groups_are_dropped_counted_and_replaced(drop: bool):
 
 
 def test_scores_outcomes_are_counted_and_summed_over_actors():
-    from pipelinerl.trainer import _aggregate_actor_stats
+    from pipelinerl.roles.trainer import _aggregate_actor_stats
 
     schedule = Schedule(batch_size=8, group_size=2, max_lag=0)
     actor = make_actor(ParityEngine(capacity=8), OutcomeTask(), schedule)

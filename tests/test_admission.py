@@ -6,7 +6,7 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
-from pipelinerl.admission import LocalLedger, MemoryLedger, open_ledger
+from pipelinerl.rollouts.admission import LocalLedger, MemoryLedger, open_ledger
 from pipelinerl.streams.redis_server import RedisServer
 
 

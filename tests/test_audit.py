@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl.audit import audit, main
 from pipelinerl.config import load_config, save_config
-from pipelinerl.roles import open_rollout_writer
+from pipelinerl.roles.wiring import open_rollout_writer
+from pipelinerl.run.audit import audit, main
 from pipelinerl.types import Group, Sample
 
 
@@ -66,7 +66,7 @@ def test_the_audit_names_an_unreachable_redis_and_exits_2(
 
 
 def test_a_trainer_started_by_hand_writes_the_config_the_audit_reads(tmp_path: Path) -> None:
-    from pipelinerl.trainer import open_records
+    from pipelinerl.roles.trainer import open_records
     cfg = load_config(overrides=[f"output_dir={tmp_path}", "name=r", "run_id=byhand"])
     metrics, trained = open_records(cfg, None)
     trained.close()

@@ -14,24 +14,28 @@ from typing import Callable
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_hf_model
 
-from pipelinerl.checkpoint import (
+from pipelinerl.config import MetricsConfig, load_config
+from pipelinerl.metrics.logger import MetricsLogger
+from pipelinerl.records import open_append, open_resumed, read_rows
+from pipelinerl.rl.batches import BatchSource
+from pipelinerl.roles.trainer import Trainer
+from pipelinerl.run.attempts import (
+    ATTEMPTS_FILE,
+    read_resumes,
+    record_resume,
+    valid_upto,
+)
+from pipelinerl.run.checkpoint import (
     CheckpointDue,
     complete_checkpoints,
     latest_checkpoint,
     read_state,
 )
-from pipelinerl.config import MetricsConfig, load_config
-from pipelinerl.metrics.logger import MetricsLogger
-from pipelinerl.records import open_append, open_resumed, read_rows
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
-from pipelinerl.attempts import ATTEMPTS_FILE, read_resumes, record_resume, valid_upto
-from pipelinerl.batches import BatchSource
-from pipelinerl.trainer import Trainer
 from pipelinerl.types import Group, Sample
-
-from tiny_models import VOCAB, tiny_hf_model
 
 
 class _NoTokenizer:
@@ -181,7 +185,7 @@ def test_a_save_replacing_its_step_leaves_it_loadable_whenever_it_is_cut_short(
 
 def test_checkpoint_due_by_steps_or_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr("pipelinerl.checkpoint.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pipelinerl.run.checkpoint.time.monotonic", lambda: clock[0])
     due = CheckpointDue(every_steps=5, every_s=60.0, step=10)
     assert not due(10) and not due(14) and due(15)
     due.done(15)
@@ -338,7 +342,7 @@ def test_groups_made_with_weights_lost_in_a_crash_are_dropped_whatever_the_step(
 def test_a_trainer_waiting_for_groups_tells_a_blocked_actor_from_a_dead_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("pipelinerl.batches.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pipelinerl.rl.batches.time.monotonic", lambda: clock[0])
     source = _source(tmp_path)
     with open_writer("local", stream="rollouts", writer_id="actor_1", root=tmp_path) as w:
         w.write(_groups(0, n_groups=1, version=0)[0].to_dict() | {"actor_id": 1})
@@ -393,7 +397,7 @@ def test_an_attempt_that_died_before_its_first_checkpoint_is_known_to_the_next(t
 
 def _checkpoint_choice(rank: int, world: int, run_dir: str) -> str:
     """Rank 1 lists the directory through a stale cache: it misses the newest checkpoint."""
-    import pipelinerl.checkpoint as checkpoint
+    import pipelinerl.run.checkpoint as checkpoint
 
     if rank == 1:
         listing = checkpoint.complete_checkpoints

@@ -9,14 +9,15 @@ import time
 
 import pytest
 import torch
+from tiny_models import random_groups, smollm2_layout
 from torch._dynamo.utils import counters
 
 from pipelinerl.config import load_config
 from pipelinerl.rl.attention import set_packed_attention
-from pipelinerl.rl.packing import pack, score_tokens
+from pipelinerl.rl.packing import pack
+from pipelinerl.rl.scores import score_tokens
 from pipelinerl.rl.step import rl_step
-from pipelinerl.trainer import make_optimizer
-from tiny_models import random_groups, smollm2_layout
+from pipelinerl.roles.trainer import make_optimizer
 
 torch.set_num_threads(1)
 

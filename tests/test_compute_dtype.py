@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 import torch
+from launch_counts import Kernels
+from tiny_models import random_groups, smollm2_layout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.compute import compute_weights, computing
 from pipelinerl.rl.step import rl_step
-from pipelinerl.trainer import make_optimizer
-from launch_counts import Kernels
-from tiny_models import random_groups, smollm2_layout
+from pipelinerl.roles.trainer import make_optimizer
 
 torch.set_num_threads(1)
 

@@ -63,11 +63,11 @@ def test_examples_validate(path):
 
 
 def test_overrides_may_come_before_and_after_the_overwrite_flag(monkeypatch) -> None:
-    import pipelinerl.launch
+    import pipelinerl.roles.launch
     from pipelinerl.cli import main
 
     seen: dict = {}
-    monkeypatch.setattr(pipelinerl.launch, "launch",
+    monkeypatch.setattr(pipelinerl.roles.launch, "launch",
                         lambda cfg, **kw: seen.update(cfg=cfg, **kw) or 0)
     example = str(Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml")
     assert main(["train", example, "trainer.lr=1e-5", "--overwrite", "name=x"]) == 0

@@ -14,8 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl.scoring import Scorer
-from pipelinerl.tasks import DatasetTask, Score, TrainSplit, heldout_problems, make_task, make_train_task
+from pipelinerl.rollouts.scoring import Scorer
+from pipelinerl.tasks import (
+    DatasetTask,
+    Score,
+    TrainSplit,
+    heldout_problems,
+    make_task,
+    make_train_task,
+)
 from pipelinerl.tasks.split import is_heldout
 
 ROWS = [{"q": f"{a}+{b}=", "sol": str(a + b), "uid": f"p{a}-{b}"} for a in range(6) for b in range(5)]
@@ -198,7 +205,7 @@ def test_user_rewards_are_scored_in_real_verifier_processes(tmp_path: Path, rewa
 def test_an_actor_publishes_its_data_position_and_its_successor_continues_there(tmp_path: Path) -> None:
     from test_actor import FakeEngine, make_actor
 
-    from pipelinerl.actor import Schedule
+    from pipelinerl.roles.actor import Schedule
     from pipelinerl.tasks import ChainArithmeticTask
 
     path = _jsonl(tmp_path / "d.jsonl", ROWS)
@@ -234,7 +241,7 @@ def test_a_dataset_with_a_user_reward_trains_and_evaluates_through_the_cli(tmp_p
 
     from pipelinerl.config import load_config
     from pipelinerl.models.hf import load_tokenizer
-    from pipelinerl.roles import open_rollout_reader
+    from pipelinerl.roles.wiring import open_rollout_reader
 
     (tmp_path / "data").mkdir()
     _jsonl(tmp_path / "data" / "train.jsonl", ROWS[:24])

@@ -14,30 +14,29 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from fake_tasks import FakeTask
 import torch
+from fake_tasks import FakeTask
 from test_actor import FakeEngine, FakeReceiver, ListWriter, decode, encode, stop_after
 from test_reliability import _pid_of, _train, _wait_for_step
 from test_schedule import _ListReader
 
-from pipelinerl.actor import Actor, Streams
-from pipelinerl.admission import MemoryLedger
-from pipelinerl.batches import BatchSource
 from pipelinerl.config import Config, ConfigError, load_config
-from pipelinerl.launch import check_task, launch
-from pipelinerl.roles import open_rollout_reader
-from pipelinerl.samples import read_eval_samples
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import Codec
-from pipelinerl.checkpoint import CheckpointDue
-from pipelinerl.eval_results import EvalResults
-from pipelinerl.replay import (
+from pipelinerl.rl.batches import BatchSource, oldest_version
+from pipelinerl.roles.actor import Actor, Streams
+from pipelinerl.roles.launch import check_task, launch
+from pipelinerl.roles.wiring import open_rollout_reader
+from pipelinerl.rollouts.admission import MemoryLedger
+from pipelinerl.rollouts.due import DueQueue
+from pipelinerl.run.checkpoint import CheckpointDue
+from pipelinerl.run.eval_results import EvalResults
+from pipelinerl.run.replay import (
     WALL_CLOCK_FIELDS,
-    ResumePoint,
-    DueQueue,
     MergedReader,
     MergedView,
     PublishedLog,
+    ResumePoint,
     SupersededFilter,
     TrainerMirror,
     check_deterministic_task,
@@ -53,8 +52,8 @@ from pipelinerl.replay import (
     weights_sha256,
     write_snapshot,
 )
+from pipelinerl.run.samples import read_eval_samples
 from pipelinerl.tasks import make_train_task
-from pipelinerl.batches import oldest_version
 from pipelinerl.types import Group, Sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipelinerl.config import load_config
-from pipelinerl.launch import launch
+from pipelinerl.roles.launch import launch
 
 pytestmark = pytest.mark.slow
 

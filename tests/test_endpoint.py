@@ -4,8 +4,8 @@ log-probs and per-token versions, requests joining the actor's batch, bad reques
 from __future__ import annotations
 
 import math
-import time
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -17,10 +17,10 @@ from test_actor import ListWriter, make_actor, stop_after
 from test_torch_engine import hf_logits
 from tiny_models import VOCAB, tiny_hf_model
 
-from pipelinerl.actor import Schedule
-from pipelinerl.endpoint import GenerateEndpoint
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
+from pipelinerl.roles.actor import Schedule
+from pipelinerl.rollouts.endpoint import GenerateEndpoint
 from pipelinerl.types import GenerationOutput
 
 MAX_LEN = 40
@@ -260,7 +260,7 @@ def test_a_training_run_serves_its_actors_engine(tmp_path, warm_cache) -> None:
     where = run_dir / "endpoints" / "actor_0"
     # A guard against a hang only: the run fails by itself first when a role stalls
     # (trainer.sample_timeout_s). It came up in 20-40 s here, in 240+ s once in CI (a warm
-    # start's threads slowed by a busy CPU, since fixed: pipelinerl/cpu_threads.py).
+    # start's threads slowed by a busy CPU, since fixed: pipelinerl/proc/cpu_threads.py).
     deadline = time.monotonic() + 600
     try:
         while not where.exists():

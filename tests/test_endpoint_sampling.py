@@ -26,12 +26,12 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
 )
 
-from pipelinerl.actor import Schedule, open_endpoint
 from pipelinerl.config import ActorConfig, Config
-from pipelinerl.endpoint import GenerateEndpoint
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.tiny import build_char_tokenizer
+from pipelinerl.roles.actor import Schedule, open_endpoint
+from pipelinerl.rollouts.endpoint import GenerateEndpoint
 from pipelinerl.types import GenerationRequest, SamplingParams
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?-+=*/"  # 4 special tokens + 46 = VOCAB
@@ -269,7 +269,7 @@ def test_an_actor_that_stops_removes_its_url_file(tmp_path: Path) -> None:
 def test_a_process_that_ends_without_closing_its_endpoint_removes_its_url_file(
         tmp_path: Path) -> None:
     where = tmp_path / "actor_0"
-    script = ("import sys; from pathlib import Path; from pipelinerl.endpoint import "
+    script = ("import sys; from pathlib import Path; from pipelinerl.rollouts.endpoint import "
               "GenerateEndpoint; e = GenerateEndpoint(model='m', max_model_len=8, "
               "vocab_size=8, default_max_tokens=2, url_file=Path(sys.argv[1])); "
               "assert Path(sys.argv[1]).read_text() == e.url + '\\n'; "

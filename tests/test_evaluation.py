@@ -11,17 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fake_tasks import AnswerTask, FirstAttemptTask
+from tiny_models import VOCAB, tiny_hf_model
+
 from pipelinerl.config import ConfigError, EvalConfig, load_config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
-from pipelinerl.evaluation import EvalMode, evaluate, eval_modes
-from pipelinerl.scoring import Scorer
-from pipelinerl.tasks import ChainArithmeticTask, TrainSplit, heldout_problems, make_train_task
+from pipelinerl.roles.evaluator import EvalMode, eval_modes, evaluate
+from pipelinerl.rollouts.scoring import Scorer
+from pipelinerl.tasks import (
+    ChainArithmeticTask,
+    TrainSplit,
+    heldout_problems,
+    make_train_task,
+)
 from pipelinerl.tasks.split import MAX_REDRAWS, heldout_fraction_of, is_heldout
 from pipelinerl.types import SamplingParams
-from tiny_models import VOCAB, tiny_hf_model
 
 torch.set_num_threads(1)
 
@@ -215,7 +220,7 @@ def test_a_resumed_evaluator_evaluates_the_checkpoints_version_unless_it_was_log
     """Attempt 1 resumes from the checkpoint of step 4 and stops there (a finished run resumed).
     The crashed attempt's result for version 4, if any, counts only once in metrics.jsonl: the
     trainer logs no other attempt's results."""
-    import pipelinerl.evaluation as evaluation
+    import pipelinerl.roles.evaluator as evaluation
 
     cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
                                  "attempt=1", "eval.every_steps=1", "eval.every_s=0"])
@@ -280,8 +285,8 @@ class _LoadingEngine(_Engine):
 
 def test_deferred_evaluation_keeps_each_due_version_and_evaluates_them_after_the_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipelinerl.evaluation as evaluation
-    from pipelinerl.eval_snapshots import SNAPSHOTS_DIR
+    import pipelinerl.roles.evaluator as evaluation
+    from pipelinerl.run.eval_snapshots import SNAPSHOTS_DIR
 
     cfg = load_config(overrides=["model.path=unused", f"output_dir={tmp_path}", "name=r",
                                  "eval.every_steps=1", "eval.every_s=0", "eval.deferred=true"])
@@ -312,8 +317,8 @@ def test_deferred_evaluation_keeps_each_due_version_and_evaluates_them_after_the
 def test_snapshots_of_versions_a_resume_remade_are_dropped(tmp_path: Path) -> None:
     """Attempt 0 kept versions 0, 3, 6; attempt 1 resumed from step 5 and kept 5 (the
     checkpoint's, equal to attempt 0's) and 8. Attempt 0's 6 is no version of the run's."""
-    from pipelinerl.attempts import record_resume
-    from pipelinerl.eval_snapshots import Snapshots
+    from pipelinerl.run.attempts import record_resume
+    from pipelinerl.run.eval_snapshots import Snapshots
 
     weights = {"w": torch.ones(2)}
     for attempt, versions in ((0, (0, 3, 6)), (1, (5, 8))):
@@ -351,8 +356,8 @@ def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(
     """Over the broadcast channel, whose receivers must be in the group from the start; and
     deferred, over shm (the shm evaluator also runs in tests/test_dataset_task.py's CLI run):
     the same records, made after the run from the weights kept while it ran."""
-    from pipelinerl.eval_snapshots import SNAPSHOTS_DIR
-    from pipelinerl.launch import launch
+    from pipelinerl.roles.launch import launch
+    from pipelinerl.run.eval_snapshots import SNAPSHOTS_DIR
 
     cfg = load_config(EXAMPLE, _run_overrides(tmp_path, warm_cache, f"eval-{sync}",
                                               f"sync.backend={sync}", f"eval.deferred={str(deferred).lower()}"))
@@ -378,7 +383,7 @@ def test_a_run_logs_heldout_evaluations_from_version_0_to_the_final_weights(
 @pytest.mark.slow
 def test_the_eval_command_evaluates_a_saved_model(tmp_path, warm_cache, capsys):
     from pipelinerl.cli import main
-    from pipelinerl.launch import prepare_run
+    from pipelinerl.roles.launch import prepare_run
 
     cfg = prepare_run(load_config(EXAMPLE, _run_overrides(tmp_path, warm_cache, "cli")), overwrite=False)
     overrides = [f"warmstart.cache_dir={warm_cache}", "eval.num_problems=16",
@@ -396,8 +401,8 @@ def test_the_eval_command_names_what_chose_its_held_out_set(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], test_split: str | None) -> None:
     """task.heldout_frac in the header only when it chose the set: a dataset's test split (an
     environment's eval_taskset likewise) is the task's own held-out set (issue 41)."""
-    from pipelinerl.evaluation import evaluate_saved_model
     from pipelinerl.models.tiny import build_char_tokenizer, build_tiny_model
+    from pipelinerl.roles.evaluator import evaluate_saved_model
 
     model = build_tiny_model(tmp_path / "model", build_char_tokenizer("0123456789+=", tmp_path))
     data = tmp_path / "data"
@@ -426,7 +431,7 @@ def test_the_eval_command_refuses_a_task_its_verifier_workers_cannot_receive(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One line, exit 2, before the model loads (there is none here): before, a TypeError
     traceback after the model was loaded."""
-    from pipelinerl.evaluation import evaluate_saved_model
+    from pipelinerl.roles.evaluator import evaluate_saved_model
 
     (tmp_path / "locked_task.py").write_text(
         "import threading\n"

@@ -17,14 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pipelinerl.checkpoint import latest_checkpoint, read_state
-from pipelinerl.config import load_config
-from pipelinerl.streams import open_reader, open_writer
-
 from test_checkpoint import _groups, _NoTokenizer, _source, _trainer, _weights
 from test_reliability import EXAMPLE, _audit, _pid_of, _train
 
+from pipelinerl.config import load_config
+from pipelinerl.run.checkpoint import latest_checkpoint, read_state
+from pipelinerl.streams import open_reader, open_writer
 
 # ---- the disk fills while a checkpoint is written --------------------------------------------
 
@@ -154,7 +152,7 @@ def test_a_redis_write_many_retried_after_a_reply_was_lost_is_stored_once(
 
 def test_a_resume_that_changes_the_model_task_or_batch_shape_is_refused_naming_each_key(
         tmp_path: Path) -> None:
-    from pipelinerl.launch import prepare_resume, prepare_run
+    from pipelinerl.roles.launch import prepare_resume, prepare_run
 
     base = [f"output_dir={tmp_path}", "name=r", f"model.path={tmp_path / 'model'}",
             "trainer.batch_size=16", "actor.group_size=4"]

@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 import torch
-
-from pipelinerl.checkpoint import load_checkpoint, save_checkpoint
-from pipelinerl.config import Config, load_config
-from pipelinerl.parallel import GatheredWeights, is_sharded, wrap_model
-from pipelinerl.process_group import share_groups
-from pipelinerl.rl.schedule import make_scheduler
-from pipelinerl.rl.step import rl_step
-from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
-from pipelinerl.types import Group, Sample
 from ranks import run_ranks
 from tiny_models import VOCAB, tiny_hf_model
+
+from pipelinerl.config import Config, load_config
+from pipelinerl.rl.parallel import GatheredWeights, is_sharded, wrap_model
+from pipelinerl.rl.process_group import share_groups
+from pipelinerl.rl.schedule import make_scheduler
+from pipelinerl.rl.step import rl_step
+from pipelinerl.run.checkpoint import load_checkpoint, save_checkpoint
+from pipelinerl.sync import ShmWeightReceiver, ShmWeightSender
+from pipelinerl.types import Group, Sample
 
 torch.set_num_threads(1)
 GROUP = 4
@@ -177,10 +177,10 @@ def _load_both_ways(rank: int, world: int, dirs: dict[str, str], broken: str, ru
     (with a sharded KL reference) publishes in the engines' bf16."""
     import transformers
 
-    import pipelinerl.parallel as parallel
+    import pipelinerl.rl.parallel as parallel
     from pipelinerl.models.hf import load_model
-    from pipelinerl.parallel import load_shards
-    from pipelinerl.trainer import Trainer
+    from pipelinerl.rl.parallel import load_shards
+    from pipelinerl.roles.trainer import Trainer
 
     cfg = _cfg()
     reads: list[int] = []  # elements of each checkpoint chunk this rank read

@@ -1,6 +1,12 @@
-"""Group ids name the actor and the restart of it that made a group (pipelinerl.group_ids)."""
+"""Group ids name the actor and the restart of it that made a group (pipelinerl.run.group_ids)."""
 
-from pipelinerl.group_ids import actor_of, format_group_id, next_restart, process_seed, restart_of
+from pipelinerl.run.group_ids import (
+    actor_of,
+    format_group_id,
+    next_restart,
+    process_seed,
+    restart_of,
+)
 
 
 def test_an_id_gives_back_its_actor_and_restart() -> None:

@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from netns import _check_can_make_namespaces
-from pipelinerl.sync.netaddr import choose_interface, interface_addresses, route_interface
+
+from pipelinerl.sync.netaddr import (
+    choose_interface,
+    interface_addresses,
+    route_interface,
+)
 
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -74,7 +78,7 @@ def test_nccl_socket_ifname_is_set_before_the_trainers_nccl_group_forms(
     import torch
     import torch.distributed as dist
 
-    from pipelinerl.process_group import init_distributed
+    from pipelinerl.rl.process_group import init_distributed
 
     lo = route_interface("127.0.0.1")
     seen: dict[str, str | None] = {}
@@ -262,7 +266,7 @@ def test_the_sync_interface_key_reaches_the_roles_weight_channels(monkeypatch: p
     """`sync.interface` from the config (the CLI's override) reaches the trainer's sender and an
     actor's receiver: an interface that does not exist stops both at start, naming the key."""
     from pipelinerl.config import load_config
-    from pipelinerl.roles import open_weight_receiver, open_weight_sender
+    from pipelinerl.roles.wiring import open_weight_receiver, open_weight_sender
 
     for name in _IFNAME_VARS:
         monkeypatch.delenv(name, raising=False)

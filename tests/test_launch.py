@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipelinerl.launch as launch_module
+import pipelinerl.roles.launch as launch_module
 from pipelinerl.config import load_config
-from pipelinerl.launch import launch
 from pipelinerl.models.hf import save_model
+from pipelinerl.roles.launch import launch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 
@@ -27,7 +27,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
 _FAKE_ROLE = """
 import os, sys, time
 from pathlib import Path
-from pipelinerl.stop_signals import install_role_signal_handlers
+from pipelinerl.proc.stop_signals import install_role_signal_handlers
 
 install_role_signal_handlers()
 role = next(a for a in sys.argv if a in ("trainer", "actor"))
@@ -108,7 +108,7 @@ def test_fake_roles_launcher_exits_promptly_after_sigint_at_random_moments(tmp_p
     fake_python.write_text(f'#!/bin/sh\nexec {sys.executable} {fake_role} "$@"\n')
     fake_python.chmod(0o755)
     rng = random.Random(13)
-    imports_s = _import_seconds("import pipelinerl.cli, pipelinerl.launch, pipelinerl.models.hf")
+    imports_s = _import_seconds("import pipelinerl.cli, pipelinerl.roles.launch, pipelinerl.models.hf")
     for trial in range(2 * len(_PHASES)):  # each phase twice
         phase = list(_PHASES)[trial % len(_PHASES)]
         pattern, jitter, bound_s = _PHASES[phase]
@@ -158,7 +158,7 @@ def test_fake_roles_launcher_exits_promptly_after_sigint_at_random_moments(tmp_p
 _CLEANUP_SCRIPT = """
 import sys, time
 from pathlib import Path
-from pipelinerl.stop_signals import install_role_signal_handlers
+from pipelinerl.proc.stop_signals import install_role_signal_handlers
 
 install_role_signal_handlers()
 done = Path(sys.argv[1])
@@ -386,7 +386,7 @@ class _SwallowsInterrupts:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_ctrl_c_swallowed_during_start_up_still_stops_the_launcher(tmp_path: Path):
-    from pipelinerl.stop_signals import StopSignals
+    from pipelinerl.proc.stop_signals import StopSignals
 
     signals = StopSignals()  # what the CLI installs at its first line
     try:
@@ -403,7 +403,7 @@ def test_a_ctrl_c_swallowed_during_start_up_still_stops_the_launcher(tmp_path: P
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_role_whose_stop_signal_was_swallowed_runs_nothing(tmp_path: Path):
     from pipelinerl.cli import _run_role
-    from pipelinerl.stop_signals import StopSignals
+    from pipelinerl.proc.stop_signals import StopSignals
 
     ran: list[bool] = []
     signals = StopSignals()

@@ -16,19 +16,19 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch._inductor.metrics as inductor_metrics
+from launch_counts import HostSyncs, Kernels
+from test_compute_dtype import WeightCasts
+from tiny_models import random_groups, smollm2_layout
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from launch_counts import HostSyncs, Kernels
 from pipelinerl.config import load_config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.step import rl_step
-from pipelinerl.trainer import make_optimizer
+from pipelinerl.roles.trainer import make_optimizer
 from pipelinerl.types import GenerationRequest, SamplingParams
-from test_compute_dtype import WeightCasts
-from tiny_models import random_groups, smollm2_layout
 
 torch.set_num_threads(1)
 

@@ -8,11 +8,12 @@ import random
 
 import pytest
 import torch
+from tiny_models import random_groups, smollm2_layout
 
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.rl.fused import use_liger
-from pipelinerl.rl.packing import pack, score_tokens
-from tiny_models import random_groups, smollm2_layout
+from pipelinerl.rl.packing import pack
+from pipelinerl.rl.scores import score_tokens
 
 torch.set_num_threads(1)
 

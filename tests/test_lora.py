@@ -14,15 +14,16 @@ import torch
 from test_recipe import GROUP, random_groups
 from tiny_models import VOCAB, tiny_hf_model
 
-from pipelinerl.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl.config import LoraSettings, load_config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.lora import apply_lora, merged_model, merged_weights
-from pipelinerl.rl.packing import pack, score_tokens
+from pipelinerl.rl.packing import pack
+from pipelinerl.rl.scores import score_tokens
 from pipelinerl.rl.step import rl_step
-from pipelinerl.trainer import Trainer, trainer_weights
+from pipelinerl.roles.trainer import Trainer, trainer_weights
+from pipelinerl.run.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl.types import GenerationRequest, Sample, SamplingParams
 
 SETTINGS = LoraSettings(rank=4, alpha=8.0)

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from at_once import Builds, run_at_once
 
-from pipelinerl.cache import user_cache
 from pipelinerl.models.hf import ModelPathError
 from pipelinerl.models.sources import (
     SOURCE_FILE,
@@ -23,6 +22,7 @@ from pipelinerl.models.sources import (
     prepared_dir,
     resolve_model_path,
 )
+from pipelinerl.proc.cache import user_cache
 from pipelinerl.tasks import Problem, make_task
 from pipelinerl.tasks.split import TrainSplit, heldout_problems
 

@@ -19,7 +19,6 @@ from transformers import (
 )
 
 from pipelinerl.config import load_config
-from pipelinerl.launch import launch
 from pipelinerl.models.hf import (
     ModelPathError,
     check_engine_model,
@@ -34,10 +33,12 @@ from pipelinerl.models.tiny import (
     build_tiny_model,
     init_tiny_model,
 )
-from pipelinerl.rl.packing import pack, score_tokens
+from pipelinerl.models.warmstart import encode_demo
+from pipelinerl.rl.packing import pack
+from pipelinerl.rl.scores import score_tokens
+from pipelinerl.roles.launch import launch
 from pipelinerl.tasks.arithmetic import ALPHABET, ChainArithmeticTask
 from pipelinerl.types import Sample
-from pipelinerl.warmstart import encode_demo
 
 torch.set_num_threads(1)
 

@@ -14,7 +14,7 @@ from test_prompts import instruct_tokenizer
 
 from pipelinerl.config import load_config
 from pipelinerl.models.hf import load_tokenizer
-from pipelinerl.roles import open_rollout_reader
+from pipelinerl.roles.wiring import open_rollout_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 

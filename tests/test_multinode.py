@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from netns import Lan, lan
+
 from pipelinerl.config import load_config
-from pipelinerl.launch import starting_model
+from pipelinerl.roles.launch import starting_model
 
 pytestmark = pytest.mark.slow
 

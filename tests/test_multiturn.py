@@ -14,10 +14,10 @@ from test_actor import ListWriter, decode, encode, make_actor, stop_after
 from test_rl import _FixedLogitsModel
 from tiny_models import tiny_hf_model
 
-from pipelinerl.actor import Schedule
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.rl.packing import pack
+from pipelinerl.roles.actor import Schedule
 from pipelinerl.types import ENV_VERSION, Group, Sample, SamplingParams
 
 torch.set_num_threads(1)

@@ -7,18 +7,29 @@ import random
 
 import pytest
 import torch
+from tiny_models import (
+    ARCHS,
+    random_groups,
+    reference_truncation,
+    smollm2_layout,
+    tiny_hf_model,
+)
+from tiny_models import VOCAB as VOCAB_HF
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from pipelinerl.config import ConfigError, load_config
-from pipelinerl.rl.attention import _segments, set_packed_attention, use_per_sequence_attention
+from pipelinerl.rl.attention import (
+    _segments,
+    set_packed_attention,
+    use_per_sequence_attention,
+)
 from pipelinerl.rl.losses import reinforce_tis_loss
-from pipelinerl.rl.packing import PackedBatch, _SelectedLogprobs, pack, pad, score_tokens
+from pipelinerl.rl.packing import PackedBatch, pack, pad
+from pipelinerl.rl.scores import _SelectedLogprobs, score_tokens
 from pipelinerl.rl.step import rl_step
-from pipelinerl.trainer import make_optimizer
+from pipelinerl.roles.trainer import make_optimizer
 from pipelinerl.types import Sample
-from tiny_models import ARCHS, random_groups, reference_truncation, smollm2_layout, tiny_hf_model
-from tiny_models import VOCAB as VOCAB_HF
 
 torch.set_num_threads(1)
 

@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
+from tiny_models import random_groups, smollm2_layout
 
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.step import rl_step
-from pipelinerl.trainer import make_optimizer
-from tiny_models import random_groups, smollm2_layout
+from pipelinerl.roles.trainer import make_optimizer
 
 torch.set_num_threads(1)
 

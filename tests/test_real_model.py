@@ -15,6 +15,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from test_torch_engine import run_to_end  # noqa: E402
 from transformers import DynamicCache
 
 from pipelinerl.config import load_config
@@ -23,10 +24,8 @@ from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import PromptEncoder, prompt_format
 from pipelinerl.models.sources import prepare
-from pipelinerl.roles import open_rollout_reader
+from pipelinerl.roles.wiring import open_rollout_reader
 from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams
-
-from test_torch_engine import run_to_end  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

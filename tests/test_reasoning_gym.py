@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl.scoring import check_sendable
+from pipelinerl.rollouts.scoring import check_sendable
 from pipelinerl.tasks import Score, heldout_problems, make_task, make_train_task
 from pipelinerl.tasks.reasoning import extract_answer
 

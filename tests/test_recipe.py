@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ranks import run_ranks
+from tiny_models import VOCAB, reference_truncation, tiny_hf_model
 
 from pipelinerl.config import (
     ActorConfig,
@@ -32,12 +34,11 @@ from pipelinerl.rl.losses import (
     reference_k3,
     reinforce_tis_loss,
 )
-from pipelinerl.rl.packing import _SelectedLogprobs, pack, pad, score_tokens
+from pipelinerl.rl.packing import pack, pad
 from pipelinerl.rl.schedule import LrFactor, make_scheduler
+from pipelinerl.rl.scores import _SelectedLogprobs, score_tokens
 from pipelinerl.rl.step import _sequence_ess, rl_step
 from pipelinerl.types import Group, Sample
-from ranks import run_ranks
-from tiny_models import VOCAB, reference_truncation, tiny_hf_model
 
 torch.set_num_threads(1)
 
@@ -96,14 +97,14 @@ def test_scheduler_sets_the_lr_of_each_optimizer_step() -> None:
 
 def test_trainer_steps_the_schedule_after_each_step_with_fake_rl_step(monkeypatch) -> None:
     """A fake rl_step stands in for the loss: only the trainer's lr bookkeeping is tested."""
-    from pipelinerl.trainer import Trainer
+    from pipelinerl.roles.trainer import Trainer
 
     def fake_rl_step(model, optimizer, groups, cfg, trainer_version, num_sequences=None,
                      ref_model=None, keep_groups=0):
         optimizer.step()
         return {"input_tokens": 0, "samples": num_sequences, "lr": optimizer.param_groups[0]["lr"]}
 
-    monkeypatch.setattr("pipelinerl.trainer.rl_step", fake_rl_step)
+    monkeypatch.setattr("pipelinerl.roles.trainer.rl_step", fake_rl_step)
     cfg = load_config(overrides=["trainer.lr=1.0", "trainer.warmup_steps=4",
                                  "trainer.lr_schedule=cosine", "trainer.max_steps=8"])
     trainer = Trainer(cfg, torch.nn.Linear(1, 1), source=None, sender=None)
@@ -280,7 +281,7 @@ class _Source(SimpleNamespace):
 def test_a_step_with_a_branched_episode_divides_by_and_counts_every_branch() -> None:
     """trainer.batch_size is 4 samples, the step holds 5 (an episode's two branches): the
     sum_per_sequence loss divides by 5 and samples_trained counts 5."""
-    from pipelinerl.trainer import Trainer, TrainerRun, progress_bar
+    from pipelinerl.roles.trainer import Trainer, TrainerRun, progress_bar
 
     group = branched_group()
     cfg = load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={GROUP}",
@@ -402,7 +403,7 @@ def test_kl_penalty_through_the_step_by_hand() -> None:
 
 
 def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
-    from pipelinerl.trainer import Trainer
+    from pipelinerl.roles.trainer import Trainer
 
     loaded: list[tuple] = []
 
@@ -418,8 +419,8 @@ def test_trainer_loads_the_reference_only_when_used(monkeypatch) -> None:
         optimizer.step()
         return {"input_tokens": 0, "samples": num_sequences}
 
-    monkeypatch.setattr("pipelinerl.trainer.load_model", fake_load_model)
-    monkeypatch.setattr("pipelinerl.trainer.rl_step", fake_rl_step)
+    monkeypatch.setattr("pipelinerl.roles.trainer.load_model", fake_load_model)
+    monkeypatch.setattr("pipelinerl.roles.trainer.rl_step", fake_rl_step)
     off = Trainer(load_config(overrides=["model.path=start"]), torch.nn.Linear(1, 1), None, None)
     assert off.ref_model is None and loaded == []
     # masked_row: the stand-in reference (a Linear) has no attention to set.

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from ranks import run_ranks
 
 from pipelinerl.rl.advantages import group_advantages, groups_advantages
 from pipelinerl.rl.losses import (
@@ -15,7 +16,6 @@ from pipelinerl.rl.losses import (
     tis_clip_active,
 )
 from pipelinerl.types import Group, Sample
-from ranks import run_ranks
 
 torch.set_num_threads(1)
 
@@ -317,7 +317,8 @@ class _FixedLogitsModel(torch.nn.Module):
 
 @pytest.mark.parametrize("chunk_tokens", [None, 1])  # plain autograd, and the chunked function
 def test_entropy_of_known_distributions_with_fake_model(chunk_tokens: int | None) -> None:
-    from pipelinerl.rl.packing import pack, score_tokens
+    from pipelinerl.rl.packing import pack
+    from pipelinerl.rl.scores import score_tokens
 
     ln2 = math.log(2)
     # Position 0: probabilities (1/2, 1/4, 1/8, 1/8); position 1: uniform over 4.
@@ -431,7 +432,7 @@ def test_by_length_metrics_equal_the_step_metrics_of_each_bins_tokens_alone() ->
 
 
 def test_completion_stats_truncated_fraction() -> None:
-    from pipelinerl.trainer import completion_stats
+    from pipelinerl.roles.trainer import completion_stats
 
     def sample(n: int, finish: str) -> Sample:
         return Sample(prompt_ids=[0], token_ids=[1] * n, logprobs=[0.0] * n, versions=[0] * n,
@@ -446,7 +447,7 @@ def test_completion_stats_truncated_fraction() -> None:
 
 def test_progress_bar_counts_seconds_under_max_time_s() -> None:
     from pipelinerl.config import load_config
-    from pipelinerl.trainer import advance_progress, progress_bar
+    from pipelinerl.roles.trainer import advance_progress, progress_bar
 
     timed = load_config(None, ["trainer.max_time_s=600", "trainer.max_steps=100000"])
     bar = progress_bar(timed, enabled=True)

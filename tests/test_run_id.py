@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pipelinerl.config import Config, load_config
-from pipelinerl.launch import launch, prepare_run
 from pipelinerl.metrics.logger import MetricsLogger
-from pipelinerl.roles import (
+from pipelinerl.rl.batches import BatchSource
+from pipelinerl.roles.launch import launch, prepare_run
+from pipelinerl.roles.wiring import (
     check_run_id_unused,
     open_control_reader,
     open_control_writer,
@@ -23,7 +24,6 @@ from pipelinerl.roles import (
     open_weight_sender,
     write_stop_unwinding,
 )
-from pipelinerl.batches import BatchSource
 from pipelinerl.types import Group, Sample
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic.yaml"
@@ -138,7 +138,7 @@ def test_weights_a_killed_launch_left_in_shared_memory_never_reach_the_next(tmp_
 
 
 def test_a_resumed_attempt_removes_the_weights_file_its_crashed_attempt_left(tmp_path: Path):
-    from pipelinerl.roles import _channel_id
+    from pipelinerl.roles.wiring import _channel_id
     from pipelinerl.sync.shm import shm_path
 
     cfg = _cfg(tmp_path, "local", f"r-{uuid.uuid4().hex[:8]}")

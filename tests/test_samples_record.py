@@ -1,4 +1,4 @@
-"""samples.jsonl (pipelinerl.samples): what the trainer records of the groups it trains, through
+"""samples.jsonl (pipelinerl.run.samples): what the trainer records of the groups it trains, through
 the trainer's own loop (`TrainerRun.train`) on a tiny model, checked against what the step
 computes; off at 0, bounded on disk, and continued without repeats by a resumed run."""
 
@@ -13,26 +13,39 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
-
 import torch
-
-from pipelinerl.batches import BatchSource
-from pipelinerl.config import Config, MetricsConfig, load_config
-from pipelinerl.metrics.logger import SAMPLE_TABLE, TABLE_COLUMNS, TABLE_ROWS, MetricsLogger
-from pipelinerl.models.tiny import build_char_tokenizer
-from pipelinerl.rl.advantages import groups_advantages
-from pipelinerl.rl.packing import pack, score_tokens
-from pipelinerl.rl.step import _scoring
 from fake_tasks import AnswerTask
+from tiny_models import VOCAB, tiny_hf_model
+
+from pipelinerl.config import Config, MetricsConfig, load_config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
-from pipelinerl.evaluation import EvalMode, EvalSetup
-from pipelinerl.samples import (EVAL_SAMPLES, SAMPLES, EvalSampleRecord, SampleRecord,
-                                open_eval_record, open_record, read_eval_samples, read_samples)
-from pipelinerl.scoring import Scorer
-from pipelinerl.trainer import Trainer, TrainerRun, progress_bar
+from pipelinerl.metrics.logger import (
+    SAMPLE_TABLE,
+    TABLE_COLUMNS,
+    TABLE_ROWS,
+    MetricsLogger,
+)
+from pipelinerl.models.tiny import build_char_tokenizer
+from pipelinerl.rl.advantages import groups_advantages
+from pipelinerl.rl.batches import BatchSource
+from pipelinerl.rl.packing import pack
+from pipelinerl.rl.scores import score_tokens
+from pipelinerl.rl.step import _scoring
+from pipelinerl.roles.evaluator import EvalMode, EvalSetup
+from pipelinerl.roles.trainer import Trainer, TrainerRun, progress_bar
+from pipelinerl.rollouts.scoring import Scorer
+from pipelinerl.run.samples import (
+    EVAL_SAMPLES,
+    SAMPLES,
+    EvalSampleRecord,
+    SampleRecord,
+    open_eval_record,
+    open_record,
+    read_eval_samples,
+    read_samples,
+)
 from pipelinerl.types import ENV_VERSION, Group, Sample, SamplingParams
-from tiny_models import VOCAB, tiny_hf_model
 
 torch.set_num_threads(1)
 
@@ -356,7 +369,7 @@ def test_the_evaluator_records_each_versions_completions_once(tmp_path: Path) ->
 def test_a_resume_drops_the_lost_attempts_versions(tmp_path: Path) -> None:
     """Attempt 0 recorded versions 0, 2 and 4 and crashed; attempt 1 resumed from step 2:
     attempt 0's version 4 came from lost weights, so attempt 1's version 4 is recorded."""
-    from pipelinerl.attempts import record_resume
+    from pipelinerl.run.attempts import record_resume
 
     cfg = config()
     record = EvalSampleRecord(tmp_path, cfg.metrics, 0)

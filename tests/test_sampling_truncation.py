@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from slot_sampling import sample_rows
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -20,14 +21,13 @@ from transformers.generation.logits_process import (
 )
 
 from pipelinerl.config import ActorConfig, Config, EngineConfig, TrainerConfig
-from pipelinerl.engine import sampling
+from pipelinerl.engine import EngineOptions, sampling
 from pipelinerl.engine.sampling import truncation_threshold
-from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
-from pipelinerl.rl.packing import pack, pad, score_tokens
+from pipelinerl.rl.packing import pack, pad
+from pipelinerl.rl.scores import score_tokens
 from pipelinerl.rl.step import rl_step
 from pipelinerl.types import GenerationRequest, Group, Sample, SamplingParams
-from slot_sampling import sample_rows
 
 torch.set_num_threads(1)
 

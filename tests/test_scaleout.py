@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipelinerl.config import load_config
-from pipelinerl.launch import launch
+from pipelinerl.roles.launch import launch
 from pipelinerl.streams import open_reader
 from pipelinerl.types import Group
 
@@ -33,7 +33,7 @@ def test_two_trainer_ranks_two_actors_over_redis_train_every_sample_once(tmp_pat
     cfg = load_config(EXAMPLE, [
         "name=scaleout", f"output_dir={tmp_path / 'runs'}",
         f"warmstart.cache_dir={warm_cache}", "warmstart.steps=20", "eval.enabled=false",
-        # Places are global (pipelinerl.admission): with max_lag 4 the first 20 places, a whole
+        # Places are global (pipelinerl.rollouts.admission): with max_lag 4 the first 20 places, a whole
         # 5-step run, could all go to whichever actor started first. max_lag 1 and room for two
         # groups per actor leave 8 places at version 0 and 4 per step after, more than one
         # actor can hold at once: both must contribute.

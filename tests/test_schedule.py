@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pipelinerl.actor import Schedule
-from pipelinerl.admission import MemoryLedger
-from pipelinerl.batches import BatchSource
 from pipelinerl.config import ConfigError, load_config
+from pipelinerl.rl.batches import BatchSource
+from pipelinerl.roles.actor import Schedule
+from pipelinerl.rollouts.admission import MemoryLedger
 from pipelinerl.types import Group, Sample
 
 
@@ -209,7 +209,7 @@ class _ListReader:
 
 
 def test_the_trainer_drops_stale_groups_only_in_pipeline_mode_with_drop_stale():
-    from pipelinerl.batches import stale_bound
+    from pipelinerl.rl.batches import stale_bound
 
     def bound(*overrides: str) -> int | None:
         return stale_bound(load_config(None, ["actor.max_lag=3", *overrides]))

@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from pipelinerl.ports import free_port
+from pipelinerl.proc.ports import free_port
 from pipelinerl.streams.redis_server import start_redis_server
 from pipelinerl.sync.broadcast import _bounded
 
 _ROLE = """
 import sys
-import pipelinerl.trainer
+import pipelinerl.roles.trainer
 from pipelinerl.cli import run
-from pipelinerl.roles import open_weight_sender
+from pipelinerl.roles.wiring import open_weight_sender
 
-pipelinerl.trainer.run_trainer = open_weight_sender  # the trainer's setup, up to its weight group
+pipelinerl.roles.trainer.run_trainer = open_weight_sender  # the trainer's setup, up to its weight group
 sys.argv = ["pipelinerl", "trainer", *sys.argv[1:]]
 run()
 """
@@ -112,9 +112,9 @@ def test_a_stop_signal_stops_the_trainer_waiting_for_its_group_at_once(
 
 _ACTOR_ROLE = """
 import sys, time, torch
-import pipelinerl.actor
+import pipelinerl.roles.actor
 from pipelinerl.cli import run
-from pipelinerl.roles import open_weight_receiver
+from pipelinerl.roles.wiring import open_weight_receiver
 
 def wait_for_go(cfg, actor_id):  # the actor's setup, up to its first weight update
     receiver = open_weight_receiver(cfg, actor_id)
@@ -123,7 +123,7 @@ def wait_for_go(cfg, actor_id):  # the actor's setup, up to its first weight upd
     print("receiving", flush=True)
     receiver.receive_into({"w": torch.zeros(3)})
 
-pipelinerl.actor.run_actor = wait_for_go
+pipelinerl.roles.actor.run_actor = wait_for_go
 sys.argv = ["pipelinerl", "actor", *sys.argv[1:]]
 run()
 """
@@ -205,13 +205,13 @@ def test_a_stop_signal_stops_an_actor_waiting_for_the_go_at_once(
 
 _TRAINER_RANK = """
 import sys
-import pipelinerl.trainer
+import pipelinerl.roles.trainer
 from pipelinerl.cli import run
-from pipelinerl.process_group import init_distributed
+from pipelinerl.rl.process_group import init_distributed
 
 timeout_s = float(sys.argv.pop())
 # The trainer's setup, up to its process group.
-pipelinerl.trainer.run_trainer = lambda cfg: init_distributed("cpu", timeout_s=timeout_s)
+pipelinerl.roles.trainer.run_trainer = lambda cfg: init_distributed("cpu", timeout_s=timeout_s)
 sys.argv = ["pipelinerl", "trainer", *sys.argv[1:]]
 run()
 """
@@ -264,16 +264,16 @@ def test_a_trainer_rank_waiting_for_its_process_group_fails_within_the_timeout(
 
 _RANK1_SHARING = """
 import sys
-import pipelinerl.trainer
+import pipelinerl.roles.trainer
 from pipelinerl.cli import run
-from pipelinerl.process_group import init_distributed, share_groups
+from pipelinerl.rl.process_group import init_distributed, share_groups
 
 def wait_for_groups(cfg):  # a non-zero rank's step, up to rank 0's groups
     rank, world, _ = init_distributed("cpu", timeout_s=120)
     print("sharing", flush=True)
     share_groups(None, rank, world)
 
-pipelinerl.trainer.run_trainer = wait_for_groups
+pipelinerl.roles.trainer.run_trainer = wait_for_groups
 sys.argv = ["pipelinerl", "trainer", *sys.argv[1:]]
 run()
 """
@@ -318,7 +318,7 @@ def test_a_stop_signal_stops_a_trainer_rank_waiting_for_rank_0s_groups(
 
 _READER = """
 import sys
-from pipelinerl.stop_signals import install_role_signal_handlers
+from pipelinerl.proc.stop_signals import install_role_signal_handlers
 from pipelinerl.streams.redis_stream import RedisStreamReader, RedisStreamWriter
 
 install_role_signal_handlers()  # as every role has them (cli._run_role)

@@ -32,6 +32,7 @@ from pipelinerl.streams.redis_server import RedisServer
 from pipelinerl.streams.redis_stream import RedisStreamReader, stream_key
 from pipelinerl.types import Group, Sample
 
+
 @dataclass
 class Where:
     """Where a test's stream lives, for either backend."""
@@ -397,7 +398,7 @@ def test_an_operation_on_a_stalled_redis_server_fails_within_the_stream_timeout(
         stalled_server: RedisServer, operation: str) -> None:
     """Before, each of 30 tries waited a 30 s socket timeout: a trainer's read or an actor's
     write outlived every timeout of the run by a quarter of an hour (issue 45)."""
-    from pipelinerl.admission import open_ledger
+    from pipelinerl.rollouts.admission import open_ledger
 
     url, timeout_s = stalled_server.url, 4.0
     loc = {"url": url, "run": "r", "stream": "rollouts", "timeout_s": timeout_s}
@@ -446,7 +447,7 @@ def test_an_operation_across_a_redis_server_restart_within_the_stream_timeout_su
     redis-py 5.x, each failed at once: the client raised before its retry ran."""
     import threading
 
-    from pipelinerl.admission import open_ledger
+    from pipelinerl.rollouts.admission import open_ledger
 
     server = start_redis_server(tmp_path / "redis")
     url, timeout_s = server.url, 12.0

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipelinerl.ports import free_port
+from pipelinerl.proc.ports import free_port
 from pipelinerl.sync import (
     BroadcastWeightReceiver,
     BroadcastWeightSender,
@@ -833,8 +833,8 @@ def _sharded_trainer(rank: int, world: int, init: str) -> int | None:
     from torch.distributed.fsdp import fully_shard
 
     from pipelinerl.config import load_config
-    from pipelinerl.process_group import share_groups
-    from pipelinerl.trainer import Trainer
+    from pipelinerl.rl.process_group import share_groups
+    from pipelinerl.roles.trainer import Trainer
 
     model = fully_shard(_OneTensor(), mesh=init_device_mesh("cpu", (world,)))
     sender = (BroadcastWeightSender(init, n_actors=1, bucket_mb=4.0, timeout_s=30,
@@ -1170,9 +1170,10 @@ class _Recording:
 
 @pytest.mark.parametrize("engine_dtype", ["bfloat16", "float32"])
 def test_an_unsharded_trainer_publishes_in_the_engine_dtype(engine_dtype: str) -> None:
-    from pipelinerl.config import load_config
-    from pipelinerl.trainer import Trainer, trainer_weights
     from tiny_models import tiny_hf_model
+
+    from pipelinerl.config import load_config
+    from pipelinerl.roles.trainer import Trainer, trainer_weights
 
     cfg = load_config(overrides=["model.path=unused", f"engine.dtype={engine_dtype}"])
     sender = _Recording()

@@ -17,7 +17,7 @@ from test_deterministic import _assert_replayed
 from tool_kit.templates import family_model
 
 from pipelinerl.config import Config, load_config
-from pipelinerl.launch import launch
+from pipelinerl.roles.launch import launch
 
 TESTS = Path(__file__).parent
 KIT = TESTS / "tool_kit"

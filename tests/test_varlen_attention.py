@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import random_groups, smollm2_layout
 
 from pipelinerl.config import load_config
 from pipelinerl.rl import attention
-from pipelinerl.rl.packing import pack, pad, score_tokens
+from pipelinerl.rl.packing import pack, pad
+from pipelinerl.rl.scores import score_tokens
 from pipelinerl.rl.step import arithmetic, rl_step
-from pipelinerl.trainer import make_optimizer
-from tiny_models import random_groups, smollm2_layout
+from pipelinerl.roles.trainer import make_optimizer
 
 torch.set_num_threads(1)
 

@@ -15,20 +15,26 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from safetensors.torch import load_file, save_file
 import torch
+from safetensors.torch import load_file, save_file
 from test_actor import make_actor, stop_after
 from test_endpoint import _Driver
 from test_prompts import SPECIAL, TEMPLATE, instruct_tokenizer
 
-from pipelinerl.actor import Schedule
-from pipelinerl.endpoint import GenerateEndpoint
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
 from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
 from pipelinerl.models.hf import load_tokenizer
+from pipelinerl.roles.actor import Schedule
+from pipelinerl.rollouts.endpoint import GenerateEndpoint
 from pipelinerl.tasks import make_task
-from pipelinerl.types import ENV_VERSION, GenerationOutput, Group, Sample, SamplingParams
+from pipelinerl.types import (
+    ENV_VERSION,
+    GenerationOutput,
+    Group,
+    Sample,
+    SamplingParams,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MAX_LEN = 512
@@ -265,9 +271,9 @@ def test_an_episode_that_branches_trains_as_one_sample_per_branch(
     from pipelinerl.config import load_config
     from pipelinerl.models.hf import load_model
     from pipelinerl.rl.advantages import groups_advantages
+    from pipelinerl.rl.batches import BatchSource
     from pipelinerl.rl.step import rl_step
     from pipelinerl.streams import open_reader, open_writer
-    from pipelinerl.batches import BatchSource
 
     task = make_task("verifiers:vf_guess", {"games": 8, "env": {"player": {"max_turns": 2}}})
     served = Served(paragraph_model)
@@ -407,7 +413,7 @@ def test_bad_names_params_and_environments_are_refused_at_start_naming_why(
 def test_held_out_evaluation_runs_episodes_on_one_version_and_counts_every_attempt(
         chat_model: Path, in_examples: None) -> None:
     from pipelinerl.config import load_config
-    from pipelinerl.evaluation import build_eval_setup
+    from pipelinerl.roles.evaluator import build_eval_setup
 
     cfg = load_config(None, [
         f"model.path={chat_model}", "task.name=verifiers:vf_qa", "task.heldout_frac=0.2",
@@ -431,7 +437,7 @@ def test_the_envs_own_evaluation_split_is_the_held_out_set(
     """Before, the held-out set could only be a hash of the training tasks' keys: an env's
     test split (here the taskset read from another file) could not be evaluated on."""
     from pipelinerl.config import load_config
-    from pipelinerl.evaluation import build_eval_setup
+    from pipelinerl.roles.evaluator import build_eval_setup
     from pipelinerl.tasks import TrainSplit, heldout_problems, make_train_task
 
     split = tmp_path / "test.jsonl"

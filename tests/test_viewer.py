@@ -17,10 +17,16 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from pipelinerl.viewer.export import export_html
-from pipelinerl.viewer.query import (EvalQuery, Filters, QueryError, compare_eval,
-                                     select_groups)
+from pipelinerl.viewer.panel import PanelCache
+from pipelinerl.viewer.query import (
+    EvalQuery,
+    Filters,
+    QueryError,
+    compare_eval,
+    select_groups,
+)
 from pipelinerl.viewer.run_data import RunView, ViewerError
-from pipelinerl.viewer.server import PanelCache, make_app
+from pipelinerl.viewer.server import make_app
 
 
 def group_row(step: int, n: int = 3, problem: str = "1+1=", dropped: str | None = None,
@@ -393,11 +399,11 @@ HOSTILE = "<img src=x onerror=alert(1)>\x00\x1b[31m</pre><script>alert(2)</scrip
 
 
 def tool_group_row(step: int = 7) -> dict[str, Any]:
-    """A samples.jsonl line as the trainer writes it (`pipelinerl.samples.group_row`) for a
+    """A samples.jsonl line as the trainer writes it (`pipelinerl.run.samples.group_row`) for a
     tool-using sample: model turn 0 calls two tools, the replies (the environment's tokens,
     mask 0) follow, then model turn 1 answers."""
-    from pipelinerl.samples import Scored
-    from pipelinerl.samples import group_row as trainer_row
+    from pipelinerl.rl.capture import Scored
+    from pipelinerl.run.samples import group_row as trainer_row
     from pipelinerl.types import ENV_VERSION, Group, Sample
 
     turn0, reply, turn1 = "<call>", "[r1][r2]", "A=4."

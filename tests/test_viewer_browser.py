@@ -6,7 +6,6 @@ to $VIEWER_ARTIFACTS (default .artifacts/browser), kept as the step's artifacts.
 from __future__ import annotations
 
 import json
-from collections import Counter
 import math
 import os
 import re
@@ -15,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -343,7 +343,7 @@ def test_a_copied_run_with_a_torn_line_and_an_old_run_say_so(browser, finished_r
 
 
 def test_tool_calls_show_at_their_turn_escaped_with_the_replies_shaded(browser, tmp_path):
-    """A tool-using sample (samples.jsonl as `pipelinerl.samples.group_row` writes it, a reply
+    """A tool-using sample (samples.jsonl as `pipelinerl.run.samples.group_row` writes it, a reply
     made of markup and control characters) and a held-out attempt with calls."""
     from test_viewer import HOSTILE, tool_group_row, write_rows
 

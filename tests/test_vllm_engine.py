@@ -148,7 +148,8 @@ def test_trainer_scores_the_distribution_vllm_sampled_from(
 ) -> None:
     """Lag 0, same weights: the trainer's log-probs under the mirrored top-k / top-p
     truncation equal vLLM's processed log-probs, so rho = 1 per token."""
-    from pipelinerl.rl.packing import pack, score_tokens
+    from pipelinerl.rl.packing import pack
+    from pipelinerl.rl.scores import score_tokens
     from pipelinerl.types import Sample
 
     temperature = 1.3

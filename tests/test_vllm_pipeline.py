@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
 
 from pipelinerl.config import load_config  # noqa: E402
-from pipelinerl.launch import launch  # noqa: E402
+from pipelinerl.roles.launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

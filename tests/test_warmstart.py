@@ -20,25 +20,25 @@ import torch
 from at_once import Builds, run_at_once
 from transformers.utils import logging as hf_logging
 
-import pipelinerl.cpu_threads as cpu_threads
-import pipelinerl.warmstart as ws
+import pipelinerl.models.warmstart as ws
+import pipelinerl.proc.cpu_threads as cpu_threads
 from pipelinerl.config import Config
-from pipelinerl.launch import starting_model
 from pipelinerl.models.hf import load_model, load_tokenizer
 from pipelinerl.models.tiny import (
     build_char_tokenizer,
     build_tiny_model,
     init_tiny_model,
 )
-from pipelinerl.tasks import ChainArithmeticTask
-from pipelinerl.tasks.split import TrainSplit
-from pipelinerl.warmstart import (
+from pipelinerl.models.warmstart import (
     WarmStartConfig,
     cache_key,
     resolve_cache_dir,
     sample_completions,
     warm_start,
 )
+from pipelinerl.roles.launch import starting_model
+from pipelinerl.tasks import ChainArithmeticTask
+from pipelinerl.tasks.split import TrainSplit
 
 torch.set_num_threads(1)
 
@@ -376,7 +376,7 @@ def test_two_runs_warm_starting_one_new_entry_at_once_build_it_once(
 
     monkeypatch.setattr(ws, "_build", slow_build)
     handler = SeesTheWait()
-    logger = logging.getLogger("pipelinerl.cache")
+    logger = logging.getLogger("pipelinerl.proc.cache")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)

@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipelinerl.stop_signals import StopSignals, install_role_signal_handlers
+from pipelinerl.proc.stop_signals import StopSignals, install_role_signal_handlers
 
 if TYPE_CHECKING:
     from pipelinerl.config import Config
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_role(role: str, cfg: Config, signals: StopSignals, fn, *args) -> int:
     """Run a role; on failure write its traceback where the launcher shows it from."""
-    from pipelinerl.launch import ERROR_FILE
+    from pipelinerl.roles.launch import ERROR_FILE
 
     install_role_signal_handlers()
     error_file = cfg.run_dir / "logs" / ERROR_FILE.format(role=role)
@@ -162,7 +162,7 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
         args.overrides = [*args.overrides, *rest]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "audit":
-        from pipelinerl.audit import main as audit_main
+        from pipelinerl.run.audit import main as audit_main
 
         signals.hand_back()
         return audit_main(args.run_dir)
@@ -211,9 +211,9 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
         print(f"pipelinerl: {err}", file=sys.stderr)
         return 2
     if args.command == "train":
-        from pipelinerl.launch import launch
-
         import shlex
+
+        from pipelinerl.roles.launch import launch
 
         again = shlex.join(["pipelinerl", "train", args.config, *args.overrides, "--resume"])
         if args.auto_resume and not cfg.trainer.max_restarts:
@@ -226,25 +226,25 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
         signals.hand_back()
         return tools_main(cfg, args.call)
     if args.command == "eval":
-        from pipelinerl.evaluation import evaluate_saved_model
+        from pipelinerl.roles.evaluator import evaluate_saved_model
 
         return evaluate_saved_model(args.model_dir, cfg)
     if not cfg.run_id:
-        from pipelinerl.roles import MISSING_RUN_ID
+        from pipelinerl.roles.wiring import MISSING_RUN_ID
 
         print(f"pipelinerl {args.command}: {MISSING_RUN_ID}", file=sys.stderr)
         return 2
     if args.command == "evaluator":
-        from pipelinerl.evaluation import run_evaluator
+        from pipelinerl.roles.evaluator import run_evaluator
 
         return _run_role("evaluator", cfg, signals, run_evaluator)
     if args.command == "trainer":
-        from pipelinerl.trainer import run_trainer
+        from pipelinerl.roles.trainer import run_trainer
 
         rank = os.environ.get("RANK", "0")
         role = "trainer" if rank == "0" else f"trainer_rank{rank}"
         return _run_role(role, cfg, signals, run_trainer)
-    from pipelinerl.actor import run_actor
+    from pipelinerl.roles.actor import run_actor
 
     return _run_role(f"actor_{args.actor_id}", cfg, signals, run_actor, args.actor_id)
 

@@ -360,7 +360,7 @@ class MetricsConfig(_Section):
     wandb_project: str = "pipelinerl"
     plot: bool = True
     progress: bool = True
-    # samples.jsonl (pipelinerl.samples, docs/viewing.md): the groups of each step whose text
+    # samples.jsonl (pipelinerl.run.samples, docs/viewing.md): the groups of each step whose text
     # and per-token provenance the trainer records (the first of rank 0's); 0: off, -1: all.
     samples_per_step: int = Field(default=2, ge=-1)
     # Its bound on disk: past half of it the file rolls on to samples.1.jsonl (the older goes).
@@ -527,7 +527,7 @@ class Config(_Section):
         # Version v + every must not be trainable before the actor waits for v: else the
         # channel could hold a newer version than the one the logical clock asks for.
         # With A actors, an actor's next group can stand A - 1 groups past the point its
-        # clock last moved (pipelinerl.replay.MergedView).
+        # clock last moved (pipelinerl.run.replay.MergedView).
         actors = self.actor.num_actors
         most = per_step * every - actors
         if self.mode == "conventional":

@@ -59,7 +59,7 @@ class GenerationRequest:
 
 
 # An actor that published no group for this long writes a heartbeat record on the rollout
-# stream (pipelinerl.actor), so the trainer tells a blocked actor from a dead one.
+# stream (pipelinerl.roles.actor), so the trainer tells a blocked actor from a dead one.
 HEARTBEAT_S = 10.0
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pipelinerl.envs.rollout import Transcript
-from pipelinerl.scoring import Scorer
+from pipelinerl.rollouts.scoring import Scorer
 from pipelinerl.tasks.base import Problem
 from pipelinerl.types import GenerationOutput
 

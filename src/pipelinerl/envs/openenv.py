@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
 
 from pipelinerl.envs.pool import FutureReplies
-from pipelinerl.plugins import OPENENV, import_object
+from pipelinerl.proc.plugins import OPENENV, import_object
 from pipelinerl.tasks.base import Problem, Score
 from pipelinerl.tasks.environment import Reply, Turn
 from pipelinerl.tasks.split import is_heldout

@@ -20,9 +20,9 @@ from queue import Empty, SimpleQueue
 
 from pebble import ProcessExpired, ProcessPool
 
-from pipelinerl.tasks.environment import Environment, Reply, Turn
+from pipelinerl.proc.workers import retire, spawn_pool
 from pipelinerl.tasks.base import Problem
-from pipelinerl.workers import retire, spawn_pool
+from pipelinerl.tasks.environment import Environment, Reply, Turn
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,15 @@ from typing import Callable
 
 from pipelinerl.engine.base import Engine
 from pipelinerl.envs.pool import EnvPool, EnvResult
-from pipelinerl.replay import DueQueue
+from pipelinerl.rollouts.due import DueQueue
 from pipelinerl.tasks.base import Problem
 from pipelinerl.tasks.environment import Environment, Reply, Turn
-from pipelinerl.types import ENV_VERSION, GenerationOutput, GenerationRequest, SamplingParams
+from pipelinerl.types import (
+    ENV_VERSION,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pipelinerl.config import MetricsConfig
 from pipelinerl.records import METRICS, open_resumed
 
 # A glance at what the model writes each step, where TensorBoard / W&B are on; the whole
-# record is samples.jsonl (pipelinerl.samples).
+# record is samples.jsonl (pipelinerl.run.samples).
 TABLE_ROWS = 8
 # The tables' key: not "samples", the per-step count of samples trained in the same log.
 SAMPLE_TABLE = "sample_table"

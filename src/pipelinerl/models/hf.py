@@ -74,7 +74,7 @@ def load_model(
     """A causal LM from a local HF directory, in eval mode, on `device` in `dtype`.
 
     `device="meta"`: the model's structure alone, no weight read (a sharded trainer's ranks
-    build it so, shard it, then load only their shards: `pipelinerl.parallel.load_shards`).
+    build it so, shard it, then load only their shards: `pipelinerl.rl.parallel.load_shards`).
     Its parameters are on the meta device (no memory); its buffers are real, computed on the
     CPU, since those the checkpoint lacks (rotary `inv_freq`) are not loaded later."""
     read_model_type(path)

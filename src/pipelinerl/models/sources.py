@@ -18,8 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.cache import building, user_cache
 from pipelinerl.models.hf import ModelPathError, save_model
+from pipelinerl.proc.cache import building, user_cache
 
 SOURCE_FILE = "pipelinerl_source.json"  # written last: a directory without it is unfinished
 

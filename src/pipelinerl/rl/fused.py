@@ -8,7 +8,7 @@ Liger-Kernel (linkedin/Liger-Kernel, Triton) has, for the families the trainer t
   token's row computed chunk by chunk over the tokens, never the (tokens, vocab) logits in
   memory (`fused_logprobs`; its per-token loss, reduction "none", is -log pi(a_t)).
 
-The eager path (`rl.packing.score_tokens` with mode "eager") is the reference: the GPU check
+The eager path (`rl.scores.score_tokens` with mode "eager") is the reference: the GPU check
 (benchmarks/gpu.py, plan issue54) compares the two. The fused head scores untruncated
 distributions only (engine.top_k 0, top_p 1) and gives no entropy: the `entropy` metric is
 absent and an entropy bonus is refused.

@@ -200,7 +200,7 @@ class LossStats:
         (`tis_clip_active(c)`, `ppo_clip_active(eps)`); `clip_frac` counts those tokens.
         mask: the tokens to count (a masked token is weighted 0, not removed: no host sync).
         entropy: per token, the entropy of the trainer's distribution at that position
-        (`rl.packing.score_tokens`); the `entropy` metric is absent when never given.
+        (`rl.scores.score_tokens`); the `entropy` metric is absent when never given.
         """
         new, old, ver = new_logprobs.detach().double(), old_logprobs.double(), versions
         self.allocate(new.device)

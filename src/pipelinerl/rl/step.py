@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipelinerl.config import Config, EngineConfig, LossConfig, TrainerConfig
-from pipelinerl.parallel import decoder_layers, idle_pass, is_sharded
-from pipelinerl.rl.compute import computing
 from pipelinerl.rl.advantages import groups_advantages, is_truncated
+from pipelinerl.rl.capture import Capture
+from pipelinerl.rl.compute import computing
 from pipelinerl.rl.losses import (
     SUMS,
     LossStats,
@@ -29,8 +29,9 @@ from pipelinerl.rl.losses import (
     reinforce_tis_loss,
     tis_clip_active,
 )
-from pipelinerl.rl.packing import PackedBatch, ScoreMode, TokenScores, pack, pad, score_tokens
-from pipelinerl.samples import Capture
+from pipelinerl.rl.packing import PackedBatch, pack, pad
+from pipelinerl.rl.parallel import decoder_layers, idle_pass, is_sharded
+from pipelinerl.rl.scores import ScoreMode, TokenScores, score_tokens
 from pipelinerl.types import Group, Sample
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def rl_step(
     `trainer.loss.kl_coef` (needed when it is > 0). Returns the step's metrics: loss, grad
     norm, `samples` (B), and `LossStats` (ESS, lag, mismatch) over every trained token of
     every rank. `keep_groups`: the first so many of `groups` come back as `scored`, what the
-    step computed for each of their samples (`pipelinerl.samples.Capture`, one copy to the host).
+    step computed for each of their samples (`pipelinerl.rl.capture.Capture`, one copy to the host).
     The forward and backward run in `trainer.precision`, on `trainer.compute_dtype` weights,
     with `trainer.compile`'s compiled layers and loss or `trainer.liger`'s fused kernels.
     One rank's step reads the device twice: its sums and gradient norm before the optimizer's
@@ -85,7 +86,7 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 def score_mode(tc: TrainerConfig) -> ScoreMode:
-    """How the step computes its log-probs: `rl.packing.ScoreMode`."""
+    """How the step computes its log-probs: `rl.scores.ScoreMode`."""
     return "liger" if tc.liger else "compiled" if tc.compile else "eager"
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import redis
 
-from pipelinerl.ports import free_port
+from pipelinerl.proc.ports import free_port
 
 _LOG_NAME = "redis.log"
 

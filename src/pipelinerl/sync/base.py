@@ -19,7 +19,7 @@ class StreamedWeights(Protocol):
     per slot of the layout, in slot order, each needed only until the next is asked for; the
     sender casts it to the layout's dtype as it copies it into the channel. A
     sharded trainer gathers each tensor on demand: a collective that every trainer rank runs
-    in the same order (`pipelinerl.parallel.GatheredWeights`).
+    in the same order (`pipelinerl.rl.parallel.GatheredWeights`).
     """
 
     layout: WeightLayout

@@ -10,15 +10,15 @@ import random
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from pipelinerl.plugins import TASK_PREFIXES, import_object
-from pipelinerl.tasks.environment import check_environment, is_environment
+from pipelinerl.proc.plugins import TASK_PREFIXES, import_object
 from pipelinerl.tasks.arithmetic import ChainArithmeticTask
+from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.calculator import CalculatorTask
 from pipelinerl.tasks.code import CodeTask
 from pipelinerl.tasks.code_tool import CodeToolTask
-from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.countdown import CountdownTask
 from pipelinerl.tasks.dataset import DatasetTask
+from pipelinerl.tasks.environment import check_environment, is_environment
 from pipelinerl.tasks.math import MathTask
 from pipelinerl.tasks.numbers import NumbersTask
 from pipelinerl.tasks.progression import ProgressionTask

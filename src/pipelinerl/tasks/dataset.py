@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from pipelinerl.plugins import import_object
+from pipelinerl.proc.plugins import import_object
 from pipelinerl.tasks.base import Problem, Score
 from pipelinerl.tasks.split import is_heldout
 

@@ -143,7 +143,7 @@ class _VerifierWorker:
 class MathTask:
     name = "math"
     # score() is thread-safe and bounds its own time in a killable worker: the actor's scorer
-    # calls it from threads rather than wrapping it in a second process (pipelinerl.scoring).
+    # calls it from threads rather than wrapping it in a second process (pipelinerl.rollouts.scoring).
     bounds_score_time = True
 
     def __init__(

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pipelinerl.plugins import import_object
+from pipelinerl.proc.plugins import import_object
 from pipelinerl.tools.specs import ToolCall
 
 HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)

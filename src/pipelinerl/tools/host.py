@@ -28,10 +28,10 @@ from typing import Any, Awaitable, Callable, TypeVar
 from pebble import ProcessExpired
 
 from pipelinerl.config import ToolsConfig
-from pipelinerl.plugins import import_object
+from pipelinerl.proc.plugins import import_object
+from pipelinerl.proc.workers import retire, spawn_pool
 from pipelinerl.tools.mcp_servers import McpServer, ServerDied
 from pipelinerl.tools.specs import ToolCall, ToolSpec, function_spec
-from pipelinerl.workers import retire, spawn_pool
 
 T = TypeVar("T")
 

@@ -69,8 +69,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _export(view, filters: list[str], out: Path) -> int:
     from pipelinerl.viewer.export import export_html
+    from pipelinerl.viewer.panel import PanelCache
     from pipelinerl.viewer.query import EvalQuery, Filters
-    from pipelinerl.viewer.server import PanelCache
 
     query = {}
     for item in filters:

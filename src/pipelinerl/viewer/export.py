@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from pipelinerl.viewer.query import EvalQuery, Filters, compare_eval, select_groups
 
 if TYPE_CHECKING:
+    from pipelinerl.viewer.panel import PanelCache
     from pipelinerl.viewer.run_data import RunView
-    from pipelinerl.viewer.server import PanelCache
 
 # The page's data slot: `null` while served, the view's data in an export.
 SLOT = '<script id="pipelinerl-data" type="application/json">null</script>'

@@ -6,19 +6,24 @@ the access token."""
 from __future__ import annotations
 
 import asyncio
-import io
 import ipaddress
 import secrets
 import socket
-import threading
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 from urllib.parse import quote
 
 from aiohttp import hdrs, web
 
 from pipelinerl.viewer.export import export_html, page_html
-from pipelinerl.viewer.query import EvalQuery, Filters, QueryError, compare_eval, select_groups
+from pipelinerl.viewer.panel import PanelCache
+from pipelinerl.viewer.query import (
+    EvalQuery,
+    Filters,
+    QueryError,
+    compare_eval,
+    select_groups,
+)
 from pipelinerl.viewer.run_data import RunView
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -49,35 +54,6 @@ class Access:
         if host in _ALL_INTERFACES:
             names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
         return cls(frozenset(names), token)
-
-
-class PanelCache:
-    """The health panel (metrics/plot.py's figure) as PNG bytes, drawn again only when
-    metrics.jsonl changed; one drawing at a time (pyplot is not thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._key: tuple[int | None, int] | None = None
-        self._png = b""
-
-    def png(self, view: RunView) -> bytes:
-        key = view.metrics_mark
-        with self._lock:
-            if key != self._key:
-                self._png, self._key = _draw_panel(view.metrics(), view.name), key
-            return self._png
-
-
-def _draw_panel(records: list[dict[str, Any]], title: str) -> bytes:
-    import matplotlib.pyplot as plt
-
-    from pipelinerl.metrics.plot import panel_figure
-
-    fig = panel_figure(records, title)
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=72)
-    plt.close(fig)
-    return out.getvalue()
 
 
 @web.middleware

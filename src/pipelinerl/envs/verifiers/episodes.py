@@ -42,9 +42,9 @@ from typing import Any, Callable
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl.config import Config
-from pipelinerl.endpoint import Answer, GenerateEndpoint
 from pipelinerl.envs.verifiers.task import VerifiersTask
-from pipelinerl.generation import sampling_from_config
+from pipelinerl.rollouts.endpoint import Answer, GenerateEndpoint
+from pipelinerl.rollouts.generation import sampling_from_config
 from pipelinerl.tasks.base import Problem
 from pipelinerl.types import ENV_VERSION, Sample, SamplingParams
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
-from pipelinerl.plugins import VERIFIERS as PREFIX
-from pipelinerl.plugins import working_directory_on_path
+from pipelinerl.proc.plugins import VERIFIERS as PREFIX
+from pipelinerl.proc.plugins import working_directory_on_path
 
 HARNESS_ID = "pipelinerl-chat"  # imported by verifiers as the top-level module below
 _HARNESS_MODULE = "pipelinerl_chat"

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl.models.lora import ADAPTER_DIR, is_lora, load_adapter, to_save
-from pipelinerl.parallel import is_sharded
+from pipelinerl.rl.parallel import is_sharded
 
 log = logging.getLogger(__name__)
 

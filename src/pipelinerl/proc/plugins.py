@@ -8,7 +8,6 @@ import os
 import sys
 from typing import Any
 
-
 # Environments of other libraries, named `<prefix><id>` as a task, and what builds one (an
 # import path to a callable taking the id and the task's params): tasks/ finds them here
 # without importing envs/, which builds on tasks/.

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import IO, Callable
 
 from pipelinerl.config import Config, load_config, save_config
-from pipelinerl.ports import free_port
-from pipelinerl.scoring import check_sendable
-from pipelinerl.stop_signals import StopSignals
+from pipelinerl.proc.ports import free_port
+from pipelinerl.proc.stop_signals import StopSignals
+from pipelinerl.rollouts.scoring import check_sendable
 from pipelinerl.streams.redis_server import start_redis_server
 from pipelinerl.tasks import make_train_task
 
@@ -137,7 +137,11 @@ def prepare_resume(cfg: Config) -> Config:
 def choose_deterministic_resume(cfg: Config) -> None:
     """Pair the trainer's newest checkpoint that has every actor's snapshot with them and
     record it for every role, before any starts (docs/determinism.md)."""
-    from pipelinerl.replay import choose_resume_point, eval_schedule, record_resume_point  # torch
+    from pipelinerl.run.replay import (  # torch
+        choose_resume_point,
+        eval_schedule,
+        record_resume_point,
+    )
 
     due = eval_schedule(cfg)
     point = choose_resume_point(cfg.run_dir, cfg.attempt, cfg.actor.num_actors, due)
@@ -166,7 +170,11 @@ def _changed(saved: Config, cfg: Config, keys: tuple[str, ...]) -> list[str]:
 def starting_model(cfg: Config) -> Path:
     """The warm-started tiny model for the task (built and cached on first use)."""
     # transformers (~8 s to import here): only a run without model.path needs it.
-    from pipelinerl.warmstart import WarmStartConfig, resolve_cache_dir, warm_start
+    from pipelinerl.models.warmstart import (
+        WarmStartConfig,
+        resolve_cache_dir,
+        warm_start,
+    )
 
     if not cfg.warmstart.enabled:
         raise SystemExit("model.path is empty and warmstart.enabled=false: give model.path=DIR "
@@ -341,7 +349,9 @@ def check_task(cfg: Config) -> None:
         task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
         check_sendable(task)
         if cfg.deterministic.enabled:
-            from pipelinerl.replay import check_deterministic_task  # torch: deterministic runs only
+            from pipelinerl.run.replay import (
+                check_deterministic_task,  # torch: deterministic runs only
+            )
 
             check_deterministic_task(cfg, task)
     except (ValueError, TypeError) as e:
@@ -389,7 +399,9 @@ def check_model(cfg: Config) -> None:
         check_engine_model(cfg.model.path, cfg.engine.backend, cfg.engine.max_seq_len)
         prompt_format(cfg, cfg.model.path)
         if cfg.model.lora is not None:
-            from pipelinerl.models.lora import check_targets  # peft: ~3 s more, LoRA runs only
+            from pipelinerl.models.lora import (
+                check_targets,  # peft: ~3 s more, LoRA runs only
+            )
 
             check_targets(cfg.model.path, cfg.model.lora)
     except ValueError as e:

@@ -6,9 +6,15 @@ import hashlib
 import logging
 from typing import Any
 
-from pipelinerl.admission import LocalLedger, RedisLedger, open_ledger
 from pipelinerl.config import Config
-from pipelinerl.streams import Reader, StreamConnectionError, Writer, open_reader, open_writer
+from pipelinerl.rollouts.admission import LocalLedger, RedisLedger, open_ledger
+from pipelinerl.streams import (
+    Reader,
+    StreamConnectionError,
+    Writer,
+    open_reader,
+    open_writer,
+)
 from pipelinerl.streams.base import WriterStateLost
 from pipelinerl.sync import make_receiver, make_sender
 from pipelinerl.sync.base import WeightReceiver, WeightSender
@@ -57,7 +63,7 @@ def open_rollout_reader(cfg: Config, offsets: dict | None = None) -> Reader:
 
 
 def open_admission_ledger(cfg: Config) -> LocalLedger | RedisLedger:
-    """The ledger of places every actor of this run claims from (pipelinerl.admission)."""
+    """The ledger of places every actor of this run claims from (pipelinerl.rollouts.admission)."""
     return open_ledger(cfg.stream.backend, **_locations(cfg))
 
 

@@ -30,11 +30,11 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from pipelinerl.cache import building, user_cache
-from pipelinerl.cpu_threads import ContentionGuard, usable_threads
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
 from pipelinerl.models.sources import file_sha256
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
+from pipelinerl.proc.cache import building, user_cache
+from pipelinerl.proc.cpu_threads import ContentionGuard, usable_threads
 from pipelinerl.tasks import DemonstrationTask, Problem
 from pipelinerl.tasks.environment import is_environment
 

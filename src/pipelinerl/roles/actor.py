@@ -23,17 +23,27 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl.admission import Ledger, MemoryLedger
 from pipelinerl.config import Config
 from pipelinerl.engine import Engine, make_engine
 from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
-from pipelinerl.generation import sampling_from_config
-from pipelinerl.group_ids import format_group_id, next_restart, process_seed
 from pipelinerl.models.prompts import Codec, text_codec
-from pipelinerl.batches import oldest_version
-from pipelinerl.replay import (
-    DueQueue,
+from pipelinerl.rl.advantages import zero_variance
+from pipelinerl.rl.batches import oldest_version
+from pipelinerl.roles.wiring import (
+    Control,
+    open_admission_ledger,
+    open_control_reader,
+    open_rollout_writer,
+    open_weight_receiver,
+    predecessor_record,
+)
+from pipelinerl.rollouts.admission import Ledger, MemoryLedger
+from pipelinerl.rollouts.due import DueQueue
+from pipelinerl.rollouts.generation import sampling_from_config
+from pipelinerl.rollouts.scoring import Scored, Scorer
+from pipelinerl.run.group_ids import format_group_id, next_restart, process_seed
+from pipelinerl.run.replay import (
     MergedView,
     PublishedLog,
     TrainerMirror,
@@ -47,16 +57,6 @@ from pipelinerl.replay import (
     use_deterministic_torch,
     write_snapshot,
 )
-from pipelinerl.rl.advantages import zero_variance
-from pipelinerl.roles import (
-    Control,
-    open_admission_ledger,
-    open_control_reader,
-    open_rollout_writer,
-    predecessor_record,
-    open_weight_receiver,
-)
-from pipelinerl.scoring import Scored, Scorer
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import make_train_task
@@ -73,8 +73,8 @@ from pipelinerl.types import (
 )
 
 if TYPE_CHECKING:  # imported when used: aiohttp costs 0.2-0.6 s (python -X importtime)
-    from pipelinerl.endpoint import GenerateEndpoint
     from pipelinerl.envs.verifiers.episodes import EpisodeRunner, FinishedGroup
+    from pipelinerl.rollouts.endpoint import GenerateEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ MAX_LONG_PROMPTS_IN_A_ROW = 1000  # draws that all fail to fit: the data or conf
 @dataclass(frozen=True)
 class Schedule:
     """Which groups may start under weights of version v: places are numbered over the run
-    (pipelinerl.admission counts them over every actor) and place g is trained at step g // K,
+    (pipelinerl.rollouts.admission counts them over every actor) and place g is trained at step g // K,
     K = batch_size // group_size. Pipeline: g // K - v <= max_lag. Conventional: the groups of
     the C = conventional_g steps of round v // C. A dropped group gives its place back."""
 
@@ -206,7 +206,7 @@ class Actor:
     """One actor process's loop (see the module docstring), as `cfg` says. `predecessor`: the
     newest record an earlier process of this actor wrote (its stream's last): this one
     continues its count and waits for the trainer's current weights before starting anything.
-    `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.endpoint).
+    `endpoint`: requests from HTTP clients join the engine's batch too (pipelinerl.rollouts.endpoint).
     `episodes`: the task is an environment of another library (verifiers), whose episodes call
     the endpoint and are scored by the environment (pipelinerl.envs.verifiers); a group then
     holds its place from its start until its episodes come back. A task with `respond`
@@ -238,7 +238,7 @@ class Actor:
                                   reply_delay_steps(cfg), codec.token_text)
                          if is_environment(task) else None)
         self.stats = ActorStats()
-        # Deterministic mode (pipelinerl.replay): weights, scores and the trainer's drops are
+        # Deterministic mode (pipelinerl.run.replay): weights, scores and the trainer's drops are
         # taken at points of logical clocks.
         self.mirror: TrainerMirror | None = None
         self.view: MergedView | None = None  # the run's groups in the trainer's order
@@ -517,7 +517,7 @@ class Actor:
         self.stats.idle_s += time.monotonic() - t0
 
     def claimed(self) -> int:
-        """This actor's places (see pipelinerl.admission)."""
+        """This actor's places (see pipelinerl.rollouts.admission)."""
         return self.published + len(self._groups)
 
     def claim_place(self) -> bool:
@@ -727,7 +727,9 @@ def open_endpoint(cfg: Config, actor_id: int, tokenizer: PreTrainedTokenizerBase
     serves (a restarted actor's replaces it); None when not asked for."""
     if cfg.actor.endpoint_port is None and not required:
         return None
-    from pipelinerl.endpoint import GenerateEndpoint  # aiohttp: see the imports above
+    from pipelinerl.rollouts.endpoint import (
+        GenerateEndpoint,  # aiohttp: see the imports above
+    )
 
     port = cfg.actor.endpoint_port + actor_id if cfg.actor.endpoint_port else 0
     # vLLM crashes on a request's own seed once an update clears its cache (docs/vllm.md, 6).
@@ -848,6 +850,8 @@ def _endpoint_and_episodes(cfg: Config, actor_id: int, task: Task,
     endpoint = open_endpoint(cfg, actor_id, tokenizer, stop_ids, required=episodic)
     if not episodic:
         return endpoint, None
-    from pipelinerl.envs.verifiers.episodes import open_episodes  # imports the endpoint's aiohttp
+    from pipelinerl.envs.verifiers.episodes import (
+        open_episodes,  # imports the endpoint's aiohttp
+    )
 
     return endpoint, open_episodes(cfg, task, endpoint, tokenizer, actor_id)

@@ -3,7 +3,7 @@ recorded group (`metrics.samples_per_step` groups of each step), with its text a
 token, the provenance the step used: the policy version, the lag, the engine's and the
 trainer's log-prob, the importance weight and whether the token was trained.
 
-What the step computed comes from `rl.step.rl_step(keep_groups=n)`: a `Capture` keeps the
+What the step computed comes from `rl.step.rl_step(keep_groups=n)`: an `rl.capture.Capture` keeps the
 micro-batches that hold a recorded sample's tokens, their new log-probs on the device, and
 reads them back in one copy after the step's loop; other micro-batches cost nothing.
 
@@ -24,73 +24,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
-from pipelinerl.attempts import read_resumes, valid_upto
 from pipelinerl.config import MetricsConfig
 from pipelinerl.records import EVAL_ROLLED, EVAL_SAMPLES, ROLLED, SAMPLES, read_rows
-from pipelinerl.rl.packing import PackedBatch
+from pipelinerl.rl.capture import Scored
+from pipelinerl.run.attempts import read_resumes, valid_upto
 from pipelinerl.tasks.base import Problem, Score
-from pipelinerl.types import ENV_VERSION, Group, Sample
+from pipelinerl.types import ENV_VERSION, Group
 
 _DIGITS = 6  # decimals of log-probs, significant digits of weights: far below their noise
-
-
-@dataclass
-class Scored:
-    """What the step computed for one recorded sample: its advantage and, per completion
-    token, the trainer's log-prob (None: not trained, an environment's token or a sample
-    without trained tokens); advantage None when none of its tokens trained."""
-
-    advantage: float | None
-    logprobs: list[float | None]
-
-
-@dataclass
-class Capture:
-    """The recorded samples' share of a step: `recorded` are the first samples of the step's
-    flattened groups, `trained` the indices (into those flattened samples) of the samples the
-    step trains, in the order the micro-batches' `seq_idx` numbers them."""
-
-    recorded: list[Sample]
-    trained: list[int]
-    _parts: list[tuple[PackedBatch, torch.Tensor]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # The recorded samples come first, so theirs are the seq_idx below this.
-        self._n = sum(i < len(self.recorded) for i in self.trained)
-
-    def add(self, batch: PackedBatch, new_lp: torch.Tensor) -> None:
-        """A micro-batch (its host copy) and its new log-probs (kept on the device, no copy)."""
-        if bool((batch.seq_idx < self._n).any()):  # host tensor: no device sync
-            self._parts.append((batch, new_lp.detach()))
-
-    def scored(self) -> list[Scored]:
-        """Per recorded sample, what the step computed; one device-to-host copy."""
-        got: dict[int, tuple[float, list[float]]] = {}
-        if self._parts:
-            lps = torch.cat([lp for _, lp in self._parts]).float().cpu().tolist()
-            seq = torch.cat([b.seq_idx for b, _ in self._parts]).tolist()
-            adv = torch.cat([b.advantages for b, _ in self._parts]).tolist()
-            # A sequence's tokens sit in one micro-batch, in completion order.
-            for s, a, lp in zip(seq, adv, lps):
-                if s < self._n:
-                    got.setdefault(self.trained[s], (a, []))[1].append(lp)
-        return [_spread(sample, got.get(i)) for i, sample in enumerate(self.recorded)]
-
-
-def _spread(sample: Sample, got: tuple[float, list[float]] | None) -> Scored:
-    """The trained tokens' log-probs laid over the completion (None on untrained tokens)."""
-    n = len(sample.token_ids)
-    if got is None:
-        return Scored(None, [None] * n)
-    mask = sample.model_mask if sample.model_mask is not None else [True] * n
-    values = iter(got[1])
-    return Scored(got[0], [next(values) if m else None for m in mask])
 
 
 def _num(x: float | None) -> float | None:
@@ -221,7 +165,7 @@ def read_samples(run_dir: Path) -> list[dict[str, Any]]:
 
 class EvalPass:
     """One evaluation pass's attempts and scores, per (mode index, problem index), as the
-    pass collects them (`pipelinerl.evaluation.evaluate` and `evaluate_episodes`)."""
+    pass collects them (`pipelinerl.roles.evaluator.evaluate` and `evaluate_episodes`)."""
 
     def __init__(self, decode: Any) -> None:
         self.decode = decode

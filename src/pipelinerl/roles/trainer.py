@@ -22,21 +22,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from pipelinerl.attempts import record_resume, valid_upto
-from pipelinerl.batches import BatchSource, stale_bound
-from pipelinerl.checkpoint import (
-    CheckpointDue,
-    agreed_latest_checkpoint,
-    load_checkpoint,
-    read_state,
-    save_checkpoint,
-)
 from pipelinerl.config import Config, TrainerConfig, save_config
-from pipelinerl.eval_results import EvalResults, step_times
 from pipelinerl.metrics.logger import METRICS, MetricsLogger
 from pipelinerl.models.hf import load_model, load_tokenizer, save_model
 from pipelinerl.models.lora import apply_lora, is_lora, merged_weights, to_save
-from pipelinerl.parallel import (
+from pipelinerl.records import open_resumed, read_rows
+from pipelinerl.rl.attention import set_packed_attention
+from pipelinerl.rl.batches import BatchSource, stale_bound
+from pipelinerl.rl.fused import use_liger
+from pipelinerl.rl.parallel import (
     GatheredWeights,
     full_state_dict,
     is_sharded,
@@ -44,26 +38,15 @@ from pipelinerl.parallel import (
     shard_frozen,
     wrap_model,
 )
-from pipelinerl.process_group import call_to_publish, init_distributed, rank0_says, share_groups
-from pipelinerl.records import open_resumed, read_rows
-from pipelinerl.replay import (
-    MergedReader,
-    SupersededFilter,
-    eval_due,
-    eval_schedule,
-    is_superseded,
-    checkpoint_to_protect,
-    resume_point,
-    resume_points,
-    superseded_after,
-    use_deterministic_torch,
-    weights_sha256,
+from pipelinerl.rl.process_group import (
+    call_to_publish,
+    init_distributed,
+    rank0_says,
+    share_groups,
 )
-from pipelinerl.rl.attention import set_packed_attention
-from pipelinerl.rl.fused import use_liger
 from pipelinerl.rl.schedule import continue_schedule, make_scheduler
 from pipelinerl.rl.step import rl_step
-from pipelinerl.roles import (
+from pipelinerl.roles.wiring import (
     check_run_id_unused,
     open_control_writer,
     open_eval_reader,
@@ -73,7 +56,29 @@ from pipelinerl.roles import (
     write_stop,
     write_stop_unwinding,
 )
-from pipelinerl.samples import SampleRecord, open_record
+from pipelinerl.run.attempts import record_resume, valid_upto
+from pipelinerl.run.checkpoint import (
+    CheckpointDue,
+    agreed_latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
+from pipelinerl.run.eval_results import EvalResults, step_times
+from pipelinerl.run.replay import (
+    MergedReader,
+    SupersededFilter,
+    checkpoint_to_protect,
+    eval_due,
+    eval_schedule,
+    is_superseded,
+    resume_point,
+    resume_points,
+    superseded_after,
+    use_deterministic_torch,
+    weights_sha256,
+)
+from pipelinerl.run.samples import SampleRecord, open_record
 from pipelinerl.streams import Writer
 from pipelinerl.sync.base import CastWeights, RejoinableSender, WeightSender
 from pipelinerl.types import Group, Sample
@@ -416,7 +421,7 @@ class Trainer:
         self.published_version = 0  # version 0 is the model every role starts from
         self.last_record = (0.0, 0.0)  # (elapsed s, stream wait s) at the previous step record
 
-    # -- checkpoints (pipelinerl.checkpoint) ------------------------------------------------
+    # -- checkpoints (pipelinerl.run.checkpoint) ------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """The JSON part of a checkpoint (rank 0's: it alone reads the stream)."""
         return {"attempt": self.cfg.attempt,

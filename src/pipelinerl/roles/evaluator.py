@@ -13,7 +13,7 @@ channel. It evaluates version 0 at once, then the newest version whenever `eval.
 or `eval.every_s` is due, and the final weights once the trainer's stop record says they are
 published. Each result goes to the run's `eval` stream; the trainer logs it to metrics.jsonl
 (as `eval/...` keys, at the step of the version evaluated and the wall-clock time that version
-was made; `pipelinerl.eval_results`) and waits for the final one before it plots and exits.
+was made; `pipelinerl.run.eval_results`) and waits for the final one before it plots and exits.
 """
 
 from __future__ import annotations
@@ -34,28 +34,44 @@ from pipelinerl.config import Config, EvalConfig
 from pipelinerl.engine import Engine, make_engine, torch_dtype
 from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
-from pipelinerl.eval_results import EVAL_PREFIX, logged_versions
-from pipelinerl.eval_snapshots import Snapshots
-from pipelinerl.generation import sampling_from_config
 from pipelinerl.metrics.logger import METRICS
 from pipelinerl.models.hf import load_model
 from pipelinerl.models.prompts import text_codec
-from pipelinerl.roles import Control, open_control_reader, open_eval_writer, open_weight_receiver
-from pipelinerl.replay import (eval_due, evaluated_versions, record_evaluated,
-                               reply_delay_steps, request_seed, resume_point)
-from pipelinerl.samples import EvalPass, EvalSampleRecord, open_eval_record
-from pipelinerl.scoring import Scorer, check_sendable
+from pipelinerl.roles.wiring import (
+    Control,
+    open_control_reader,
+    open_eval_writer,
+    open_weight_receiver,
+)
+from pipelinerl.rollouts.generation import sampling_from_config
+from pipelinerl.rollouts.scoring import Scorer, check_sendable
+from pipelinerl.run.eval_results import EVAL_PREFIX, logged_versions
+from pipelinerl.run.eval_snapshots import Snapshots
+from pipelinerl.run.replay import (
+    eval_due,
+    evaluated_versions,
+    record_evaluated,
+    reply_delay_steps,
+    request_seed,
+    resume_point,
+)
+from pipelinerl.run.samples import EvalPass, EvalSampleRecord, open_eval_record
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import heldout_problems, make_task
 from pipelinerl.tasks.base import Problem, Score, Task
 from pipelinerl.tasks.environment import is_environment
 from pipelinerl.tools.task import equip
-from pipelinerl.types import (GenerationOutput, GenerationRequest, Sample, SamplingParams,
-                             attempt_index)
+from pipelinerl.types import (
+    GenerationOutput,
+    GenerationRequest,
+    Sample,
+    SamplingParams,
+    attempt_index,
+)
 
 if TYPE_CHECKING:  # imported when used: aiohttp costs 0.2-0.6 s (python -X importtime)
-    from pipelinerl.endpoint import GenerateEndpoint
     from pipelinerl.envs.verifiers.episodes import EpisodeRunner
+    from pipelinerl.rollouts.endpoint import GenerateEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -353,8 +369,8 @@ def build_eval_setup(cfg: Config, model_path: str) -> tuple[EvalSetup, Engine]:
     engine_cfg = cfg.engine.model_copy(update={"capacity": cfg.eval.capacity or cfg.engine.capacity,
                                                "device": eval_device(cfg)})
     if getattr(task, "episodic", False):  # the environment renders and scores its episodes
-        from pipelinerl.endpoint import GenerateEndpoint
         from pipelinerl.envs.verifiers.episodes import open_episodes
+        from pipelinerl.rollouts.endpoint import GenerateEndpoint
 
         endpoint = GenerateEndpoint(model=model_path, max_model_len=cfg.engine.max_seq_len,
                                     vocab_size=len(tokenizer),

@@ -1,5 +1,5 @@
 """The trainer's side of held-out evaluation: read the evaluator's results from the run's
-`eval` stream and log them to metrics.jsonl (pipelinerl.evaluation is the evaluator role)."""
+`eval` stream and log them to metrics.jsonl (pipelinerl.roles.evaluator is the evaluator role)."""
 
 from __future__ import annotations
 

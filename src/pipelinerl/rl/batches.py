@@ -212,7 +212,7 @@ def is_stale(group: Group, step: int, max_lag: int | None) -> bool:
 
 def is_stale_version(oldest: int, step: int, max_lag: int | None) -> bool:
     """`is_stale` of a group whose oldest token was made by weights of version `oldest`
-    (deterministic mode's actors apply it too: pipelinerl.replay.TrainerMirror)."""
+    (deterministic mode's actors apply it too: pipelinerl.run.replay.TrainerMirror)."""
     return max_lag is not None and step - oldest > max_lag
 
 

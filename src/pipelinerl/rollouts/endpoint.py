@@ -63,7 +63,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipelinerl.types import GenerationOutput, GenerationRequest, SamplingParams, StopStrings
+from pipelinerl.types import (
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    StopStrings,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

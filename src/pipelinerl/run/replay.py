@@ -7,7 +7,7 @@ happens at a point its own counters decide, so two runs of one config and seed d
   trains, which it drops as stale, at which step) with the trainer's own rule, so the actor
   knows without asking which version the trainer can have made and how many places it gave
   back;
-- `DueQueue` takes groups' scores in the order their groups finished, and an environment's
+- `rollouts.due.DueQueue` takes groups' scores in the order their groups finished, and an environment's
   replies in the order their turns ended, each at a set number of decode steps after;
 - per-request samplers are seeded by (run seed, group, attempt) (`request_seed`).
 """
@@ -21,17 +21,16 @@ import json
 import os
 import pickle
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
-from pipelinerl.batches import is_stale_version, stale_bound
-from pipelinerl.checkpoint import checkpoint_steps, complete_checkpoints, read_state
 from pipelinerl.config import Config
 from pipelinerl.records import append_row, read_rows
+from pipelinerl.rl.batches import is_stale_version, stale_bound
+from pipelinerl.run.checkpoint import checkpoint_steps, complete_checkpoints, read_state
 from pipelinerl.streams.base import StreamReader
 from pipelinerl.tasks.base import Task
 from pipelinerl.types import Group
@@ -275,33 +274,6 @@ class PublishedLog:
             if not is_superseded(row["attempt"], self.actor_id, row["seq"], self.kept):
                 rows.append((int(row["seq"]), int(row["oldest"])))
         return rows
-
-
-class DueQueue:
-    """Keys waiting for a worker's answer (groups for their scores, rollouts for an
-    environment's reply), in the order they were sent, each due `delay` decode steps after."""
-
-    def __init__(self, delay: int) -> None:
-        self.delay = delay
-        self._waiting: deque[tuple[str, int]] = deque()  # (key, decode step due)
-
-    def expect(self, key: str, decode_steps: int) -> None:
-        self._waiting.append((key, decode_steps + self.delay))
-
-    def pop_due(self, decode_steps: int, idle: bool) -> str | None:
-        """The oldest key if it is due at `decode_steps` (any is when `idle`: nothing to decode,
-        so the decode clock stands), else None. One at a time: a version the actor loads after
-        a group may stop it from publishing the next (a snapshot's drain)."""
-        if self._waiting and (idle or self._waiting[0][1] <= decode_steps):
-            return self._waiting.popleft()[0]
-        return None
-
-    def entries(self) -> list[tuple[str, int]]:
-        """(key, decode step due), oldest first: an actor snapshot's part."""
-        return list(self._waiting)
-
-    def restore(self, entries: list[tuple[str, int]]) -> None:
-        self._waiting = deque(entries)
 
 
 # ---- crash and resume (docs/determinism.md, "A crash changes nothing") ---------------------

@@ -35,8 +35,8 @@ from queue import Empty, SimpleQueue
 
 from pebble import ProcessExpired, ProcessPool
 
+from pipelinerl.proc.workers import retire, spawn_pool
 from pipelinerl.tasks.base import Problem, Score, Task
-from pipelinerl.workers import retire, spawn_pool
 
 log = logging.getLogger(__name__)
 

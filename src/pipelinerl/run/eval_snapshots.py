@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipelinerl.attempts import read_resumes, valid_upto
+from pipelinerl.run.attempts import read_resumes, valid_upto
 
 SNAPSHOTS_DIR = "eval_snapshots"
 _NAME = re.compile(r"a(\d+)-v(\d+)\.safetensors")

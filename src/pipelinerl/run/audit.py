@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelinerl.checkpoint import latest_checkpoint, read_state
 from pipelinerl.config import Config, load_config
-from pipelinerl.group_ids import actor_of, restart_of
 from pipelinerl.metrics.tables import markdown_table
 from pipelinerl.records import read_rows
+from pipelinerl.run.checkpoint import latest_checkpoint, read_state
+from pipelinerl.run.group_ids import actor_of, restart_of
 from pipelinerl.streams.local import segment_name
 
 

@@ -28,7 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 from pipelinerl.config import FsdpConfig, TrainerConfig
@@ -107,7 +112,10 @@ def load_shards(model: torch.nn.Module, path: str | Path, fc: FsdpConfig, device
     rank before. A collective: every rank calls it. Every rank reads the files' headers and
     checks them against the model before the first broadcast, so a checkpoint that does not
     fit fails on every rank alike. In place; returns the model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     chunks = _checkpoint_chunks(model, Path(path), chunk_bytes, dist.get_world_size())
     # Buffers are real (computed when the model was built; FSDP2 moved them to the device);
@@ -311,7 +319,10 @@ class GatheredWeights:
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model on rank 0's CPU, gathered tensor by tensor (a collective; the other
     ranks get an empty dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
