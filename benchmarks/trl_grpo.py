@@ -52,7 +52,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from pipelinerl.config import Config, load_config
 from pipelinerl.models.hf import load_model, load_tokenizer
-from pipelinerl.roles.evaluator import EvalSetup, build_eval_setup
+from pipelinerl.roles.heldout import EvalSetup, build_eval_setup
 from pipelinerl.roles.launch import prepare_run
 from pipelinerl.roles.trainer import trainer_weights
 from pipelinerl.tasks import Problem, Score, Task, make_train_task

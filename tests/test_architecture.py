@@ -30,7 +30,8 @@ FLOORS: list[list[str]] = [
     ["roles/", "viewer/"],
     ["cli.py"],
 ]
-ROLES = {"actor", "trainer", "evaluator", "launch"}  # roles/wiring.py is what they share
+# roles/wiring.py and roles/heldout.py are what they share
+ROLES = {"actor", "trainer", "evaluator", "launch"}
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 
 

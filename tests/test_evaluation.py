@@ -17,7 +17,7 @@ from tiny_models import VOCAB, tiny_hf_model
 from pipelinerl.config import ConfigError, EvalConfig, load_config
 from pipelinerl.engine import EngineOptions
 from pipelinerl.engine.torch_engine import TorchEngine
-from pipelinerl.roles.evaluator import EvalMode, eval_modes, evaluate
+from pipelinerl.roles.heldout import EvalMode, eval_modes, evaluate
 from pipelinerl.rollouts.scoring import Scorer
 from pipelinerl.tasks import (
     ChainArithmeticTask,
@@ -402,7 +402,7 @@ def test_the_eval_command_names_what_chose_its_held_out_set(
     """task.heldout_frac in the header only when it chose the set: a dataset's test split (an
     environment's eval_taskset likewise) is the task's own held-out set (issue 41)."""
     from pipelinerl.models.tiny import build_char_tokenizer, build_tiny_model
-    from pipelinerl.roles.evaluator import evaluate_saved_model
+    from pipelinerl.roles.heldout import evaluate_saved_model
 
     model = build_tiny_model(tmp_path / "model", build_char_tokenizer("0123456789+=", tmp_path))
     data = tmp_path / "data"
@@ -431,7 +431,7 @@ def test_the_eval_command_refuses_a_task_its_verifier_workers_cannot_receive(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One line, exit 2, before the model loads (there is none here): before, a TypeError
     traceback after the model was loaded."""
-    from pipelinerl.roles.evaluator import evaluate_saved_model
+    from pipelinerl.roles.heldout import evaluate_saved_model
 
     (tmp_path / "locked_task.py").write_text(
         "import threading\n"

@@ -32,7 +32,7 @@ from pipelinerl.rl.batches import BatchSource
 from pipelinerl.rl.packing import pack
 from pipelinerl.rl.scores import score_tokens
 from pipelinerl.rl.step import _scoring
-from pipelinerl.roles.evaluator import EvalMode, EvalSetup
+from pipelinerl.roles.heldout import EvalMode, EvalSetup
 from pipelinerl.roles.trainer import Trainer, TrainerRun, progress_bar
 from pipelinerl.rollouts.scoring import Scorer
 from pipelinerl.run.samples import (

@@ -413,7 +413,7 @@ def test_bad_names_params_and_environments_are_refused_at_start_naming_why(
 def test_held_out_evaluation_runs_episodes_on_one_version_and_counts_every_attempt(
         chat_model: Path, in_examples: None) -> None:
     from pipelinerl.config import load_config
-    from pipelinerl.roles.evaluator import build_eval_setup
+    from pipelinerl.roles.heldout import build_eval_setup
 
     cfg = load_config(None, [
         f"model.path={chat_model}", "task.name=verifiers:vf_qa", "task.heldout_frac=0.2",
@@ -437,7 +437,7 @@ def test_the_envs_own_evaluation_split_is_the_held_out_set(
     """Before, the held-out set could only be a hash of the training tasks' keys: an env's
     test split (here the taskset read from another file) could not be evaluated on."""
     from pipelinerl.config import load_config
-    from pipelinerl.roles.evaluator import build_eval_setup
+    from pipelinerl.roles.heldout import build_eval_setup
     from pipelinerl.tasks import TrainSplit, heldout_problems, make_train_task
 
     split = tmp_path / "test.jsonl"

@@ -15,7 +15,7 @@ from types import ModuleType
 MOVED = {
     "pipelinerl.actor": "pipelinerl.roles.actor",
     "pipelinerl.trainer": "pipelinerl.roles.trainer",
-    "pipelinerl.evaluation": "pipelinerl.roles.evaluator",
+    "pipelinerl.evaluation": "pipelinerl.roles.heldout",
     "pipelinerl.launch": "pipelinerl.roles.launch",
     "pipelinerl.admission": "pipelinerl.rollouts.admission",
     "pipelinerl.scoring": "pipelinerl.rollouts.scoring",

@@ -226,7 +226,7 @@ def _main(argv: list[str] | None, signals: StopSignals) -> int:
         signals.hand_back()
         return tools_main(cfg, args.call)
     if args.command == "eval":
-        from pipelinerl.roles.evaluator import evaluate_saved_model
+        from pipelinerl.roles.heldout import evaluate_saved_model
 
         return evaluate_saved_model(args.model_dir, cfg)
     if not cfg.run_id:

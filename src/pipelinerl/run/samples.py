@@ -165,7 +165,7 @@ def read_samples(run_dir: Path) -> list[dict[str, Any]]:
 
 class EvalPass:
     """One evaluation pass's attempts and scores, per (mode index, problem index), as the
-    pass collects them (`pipelinerl.roles.evaluator.evaluate` and `evaluate_episodes`)."""
+    pass collects them (`pipelinerl.roles.heldout.evaluate` and `evaluate_episodes`)."""
 
     def __init__(self, decode: Any) -> None:
         self.decode = decode
