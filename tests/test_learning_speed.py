@@ -256,7 +256,7 @@ def test_resume_keeps_finished_runs_and_refuses_changed_settings(
     assert ls.load_results(tmp_path, [ls.PIPELINE], 3) == {}
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_mode_runs_pipeline_and_conventional(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(BENCHMARKS / "learning_speed.py"), "--quick",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
@@ -274,7 +274,7 @@ def test_quick_mode_runs_pipeline_and_conventional(tmp_path: Path) -> None:
     assert (tmp_path / "learning_speed.png").stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                     reason="trl is not installed (the optional bench extra: pip install -e .[bench])")
 def test_trl_quick_trains_and_evaluates_with_the_clock_paused(tmp_path: Path) -> None:

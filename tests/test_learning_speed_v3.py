@@ -148,7 +148,7 @@ def test_the_archive_round_trips_and_the_report_carries_both_headlines(tmp_path:
     assert "| pipeline | 512+ | 0.25 | 3.00 | 0.980 |" in text
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_runs_a_seed_archives_it_and_reports(tmp_path: Path) -> None:
     """examples/long_chains.yaml shrunk, pipeline and conventional G=1, through the CLI: the
     runs land in the archive with their records, the report and plot in --out, and the
