@@ -282,6 +282,7 @@ def test_a_step_with_a_branched_episode_divides_by_and_counts_every_branch() -> 
     """trainer.batch_size is 4 samples, the step holds 5 (an episode's two branches): the
     sum_per_sequence loss divides by 5 and samples_trained counts 5."""
     from pipelinerl.roles.trainer import Trainer, TrainerRun, progress_bar
+    from pipelinerl.run.trainer_records import TrainerRecords
 
     group = branched_group()
     cfg = load_config(overrides=[f"actor.group_size={GROUP}", f"trainer.batch_size={GROUP}",
@@ -295,8 +296,10 @@ def test_a_step_with_a_branched_episode_divides_by_and_counts_every_branch() -> 
                      trainer=Trainer(cfg, model, source=_Source(), sender=None), tokenizer=None,
                      due=lambda step: False, bar=progress_bar(cfg, enabled=False),
                      batches=iter([[group]]),
-                     metrics=SimpleNamespace(log=lambda step, record: records.append(record)),
-                     trained_log=io.StringIO(), control=None, evals=None)
+                     records=TrainerRecords(
+                         SimpleNamespace(log=lambda step, record: records.append(record)),
+                         io.StringIO()),
+                     control=None, evals=None)
     run.train()
     (record,) = records
     assert record["samples_trained"] == 5

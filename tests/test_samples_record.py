@@ -45,6 +45,7 @@ from pipelinerl.run.samples import (
     read_eval_samples,
     read_samples,
 )
+from pipelinerl.run.trainer_records import TrainerRecords
 from pipelinerl.types import ENV_VERSION, Group, Sample, SamplingParams
 
 torch.set_num_threads(1)
@@ -128,10 +129,11 @@ def train(cfg: Config, tmp_path: Path, steps: list[list[Group]], start: int = 0,
                      trainer=trainer, tokenizer=None, due=lambda step: False,
                      bar=progress_bar(cfg, enabled=False),
                      batches=trainer.batches() if source is not None else batches(),
-                     metrics=metrics or SimpleNamespace(log=lambda step, record: None,
-                                                        log_samples=lambda step, rows: None),
-                     trained_log=trained_log or io.StringIO(), control=None, evals=None,
-                     samples=record)
+                     records=TrainerRecords(
+                         metrics or SimpleNamespace(log=lambda step, record: None,
+                                                    log_samples=lambda step, rows: None),
+                         trained_log or io.StringIO(), record),
+                     control=None, evals=None)
     run.train()
     if record is not None:
         record.close()

@@ -11,12 +11,11 @@ gradient clipping, then publish the new weights (version = optimizer steps taken
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,7 @@ from pipelinerl.config import Config, TrainerConfig, save_config
 from pipelinerl.metrics.logger import METRICS, MetricsLogger
 from pipelinerl.models.hf import load_model, load_tokenizer, save_model
 from pipelinerl.models.lora import apply_lora, is_lora, merged_weights, to_save
-from pipelinerl.records import open_resumed, read_rows
+from pipelinerl.records import read_rows
 from pipelinerl.rl.attention import set_packed_attention
 from pipelinerl.rl.batches import BatchSource, stale_bound
 from pipelinerl.rl.fused import use_liger
@@ -78,7 +77,7 @@ from pipelinerl.run.replay import (
     use_deterministic_torch,
     weights_sha256,
 )
-from pipelinerl.run.samples import SampleRecord, open_record
+from pipelinerl.run.trainer_records import TrainerRecords
 from pipelinerl.streams import Writer
 from pipelinerl.sync.base import CastWeights, RejoinableSender, WeightSender
 from pipelinerl.types import Group, Sample
@@ -113,12 +112,10 @@ class TrainerRun:
     due: CheckpointDue
     bar: tqdm
     batches: Iterator[list[Group] | None] | None
-    metrics: MetricsLogger | None
-    trained_log: IO[str] | None  # trained.jsonl: the groups each step trained, those dropped
+    records: TrainerRecords | None  # metrics.jsonl, trained.jsonl, samples.jsonl
     control: Writer | None  # the control stream: places given back, the stop record
     evals: EvalResults | None  # the evaluator's results (eval.enabled)
     stop_written: bool = False
-    samples: SampleRecord | None = None  # samples.jsonl (metrics.samples_per_step > 0)
 
     @classmethod
     def setup(cls, cfg: Config) -> TrainerRun:
@@ -135,12 +132,12 @@ class TrainerRun:
         checkpoint = resume_checkpoint(cfg) if cfg.attempt else None
         state = read_state(checkpoint)
         resume_step = (state or {}).get("step", 0) if cfg.attempt else None
-        metrics, trained_log = open_records(cfg, resume_step) if is_main else (None, None)
+        records = open_records(cfg, resume_step) if is_main else None
         model, wrapped = build_model(cfg, device, world)
         source = sender = control = evals = None
-        if is_main:
+        if records is not None:
             offsets = state["source"]["offsets"] if state and state["source"] else None
-            source, sender, control, evals = open_channels(cfg, offsets, metrics)
+            source, sender, control, evals = open_channels(cfg, offsets, records.metrics)
         trainer = Trainer(cfg, wrapped, source, sender)
         tokenizer = load_tokenizer(cfg.model.path)
         sharded = is_sharded(wrapped)
@@ -148,13 +145,13 @@ class TrainerRun:
             resume_attempt(cfg, trainer, checkpoint, evals, publish=is_main or sharded)
         due = CheckpointDue(cfg.trainer.checkpoint_every_steps, cfg.trainer.checkpoint_every_s,
                             trainer.step, aligned=cfg.deterministic.enabled)
-        samples = (open_record(cfg.run_dir, cfg.metrics, tokenizer, resume_step) if is_main
-                   else None)
+        if records is not None:
+            records.open_samples(cfg, tokenizer, resume_step)
         return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, sharded=sharded,
                    trainer=trainer, tokenizer=tokenizer, due=due,
                    bar=progress_bar(cfg, enabled=cfg.metrics.progress and is_main),
-                   batches=trainer.batches() if is_main else None, metrics=metrics,
-                   trained_log=trained_log, control=control, evals=evals, samples=samples)
+                   batches=trainer.batches() if is_main else None, records=records,
+                   control=control, evals=evals)
 
     @property
     def is_main(self) -> bool:
@@ -176,7 +173,7 @@ class TrainerRun:
                 if self.is_main:  # groups dropped meanwhile are recorded, though no step follows
                     self.write_trained([])
                 break
-            keep = self.samples.groups_to_keep(len(shard)) if self.samples is not None else 0
+            keep = self.records.groups_to_keep(len(shard)) if self.records is not None else 0
             metrics = trainer.train_step(shard, keep_groups=keep)
             scored = metrics.pop("scored", None)
             if self.sharded or self.is_main:
@@ -184,10 +181,8 @@ class TrainerRun:
             if self.is_main:
                 self.await_evaluator()
             record = self.record_step(groups, metrics) if self.is_main else None
-            if self.samples is not None and scored is not None:
-                rows = self.samples.write(trainer.step, trainer.step - 1, shard[:keep], scored)
-                assert self.metrics is not None  # both rank 0's
-                self.metrics.log_samples(trainer.step, rows)
+            if self.records is not None and scored is not None:
+                self.records.write_samples(trainer.step, shard[:keep], scored)
             self.checkpoint_if_due()  # after the step's records, which a resume from it keeps
             if record is not None:
                 self.report_step(record)
@@ -209,20 +204,17 @@ class TrainerRun:
 
     def record_step(self, groups: list[Group] | None, metrics: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: the step's row in metrics.jsonl and in trained.jsonl."""
-        assert groups is not None and self.metrics is not None
+        assert groups is not None and self.records is not None
+        source = self.trainer.source
+        assert source is not None
         record = self.trainer.step_record(groups, metrics)
-        self.metrics.log(self.trainer.step, record)
-        self.write_trained([g.group_id for g in groups])
+        self.records.write_step(self.trainer.step, record, [g.group_id for g in groups], source)
         return record
 
     def write_trained(self, trained: list[str]) -> None:
-        """trained.jsonl's row: the groups trained at this step, those dropped since the last."""
-        assert self.trained_log is not None and self.trainer.source is not None
-        dropped = self.trainer.source.take_dropped_ids()
-        self.trained_log.write(json.dumps({"step": self.trainer.step, "trained": trained,
-                                           "dropped": dropped}) + "\n")
-        if self.samples is not None:
-            self.samples.write_dropped(self.trainer.step, self.trainer.source.take_dropped_groups())
+        """trained.jsonl's row without a step's metrics (out of time waiting for groups)."""
+        assert self.records is not None and self.trainer.source is not None
+        self.records.write_trained(self.trainer.step, trained, self.trainer.source)
 
     def checkpoint_if_due(self) -> None:
         """Rank 0's clock decides; with a sharded model every rank writes its shards."""
@@ -263,13 +255,13 @@ class TrainerRun:
             # says they are there; the plot waits for its result.
             final_published = self.cfg.eval.enabled and trainer.publish_final()
         if self.is_main:
-            assert self.control is not None and self.metrics is not None
+            assert self.control is not None and self.records is not None
             write_stop(self.control, self.cfg, trainer.step, final_published=final_published)
             self.stop_written = True
             if final_published and self.evals is not None:
                 self.evals.wait_final(self.cfg.eval.final_timeout_s)
             if self.cfg.metrics.plot:
-                _plot(self.cfg, self.metrics.path)
+                _plot(self.cfg, self.records.metrics.path)
         if self.world > 1:
             # The other ranks wait for rank 0's save, so all leave the group together: a rank
             # that tore down its DDP model and group early left rank 0 hanging at exit.
@@ -280,17 +272,13 @@ class TrainerRun:
         channel and record closed, the process group left."""
         self.bar.close()
         if self.is_main:
-            assert self.control is not None and self.metrics is not None
-            assert self.trained_log is not None
+            assert self.control is not None and self.records is not None
             if not self.stop_written:
                 write_stop_unwinding(self.control, self.cfg, self.trainer.step)
             self.control.close()
             if self.evals is not None:
                 self.evals.reader.close()
-            self.metrics.close()
-            self.trained_log.close()
-            if self.samples is not None:
-                self.samples.close()
+            self.records.close()
             if self.trainer.sender is not None:
                 self.trainer.sender.close()
         if dist.is_initialized():
@@ -314,7 +302,7 @@ def join_ranks(cfg: Config) -> tuple[int, int, str]:
     return rank, world, device
 
 
-def open_records(cfg: Config, resume_step: int | None) -> tuple[MetricsLogger, IO[str]]:
+def open_records(cfg: Config, resume_step: int | None) -> TrainerRecords:
     """Rank 0's metrics.jsonl and trained.jsonl, cut back to `resume_step` on a resume."""
     # Refused before anything loads: a finished run's id, or another launch's files.
     check_run_id_unused(cfg)
@@ -323,9 +311,7 @@ def open_records(cfg: Config, resume_step: int | None) -> tuple[MetricsLogger, I
     if not (cfg.run_dir / "config.yaml").exists():
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, cfg.run_dir / "config.yaml")
-    metrics = MetricsLogger(cfg.run_dir, cfg.metrics, cfg.name, cfg.model_dump(mode="json"),
-                            resume_step=resume_step, attempt=cfg.attempt)
-    return metrics, open_resumed(cfg.run_dir / "trained.jsonl", resume_step, cfg.attempt)
+    return TrainerRecords.open(cfg, resume_step)
 
 
 def build_model(cfg: Config, device: str, world: int) -> tuple[torch.nn.Module, torch.nn.Module]:
