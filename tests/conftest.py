@@ -37,6 +37,15 @@ def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model with SmolLM2-135M-Instruct's tokenizer and template, one per worker
+    (tiny_models.tiny_smollm2): an example's end-to-end run in seconds, not minutes."""
+    from tiny_models import tiny_smollm2
+
+    return tiny_smollm2(tmp_path_factory.mktemp("tiny-smollm2"))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Kill the child processes a test left running, and fail the run naming them: a hung
     non-daemon child (a rank stuck in a collective) would otherwise keep pytest from exiting,

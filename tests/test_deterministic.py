@@ -316,15 +316,19 @@ class _WeightEngine(FakeEngine):
 
 
 def _actor(deterministic: bool, lag_groups: int = 0, writer: Any = None,
-           published: list[int] | None = None) -> tuple[Actor, _WeightEngine]:
+           published: list[int] | None = None, groups: int = 4) -> tuple[Actor, _WeightEngine]:
+    """An actor that stops once it published `groups` groups (a deterministic one would then
+    wait for a version the fake trainer never publishes)."""
     cfg = Config(trainer={"batch_size": 4}, engine={"max_new_tokens": 8, "max_seq_len": 40},
                  actor={"group_size": 2, "max_lag": 1, "verifier_workers": 1,
                         "max_restarts": 0},
                  deterministic={"enabled": deterministic, "lag_groups": lag_groups})
     engine = _WeightEngine()
     # By default the trainer is "ahead": version 1 waits in the channel from the start.
-    streams = Streams(writer or ListWriter(), FakeReceiver(published or [1]), MemoryLedger(),
-                      stop_after(30))
+    writer = writer or ListWriter()
+    done = lambda: sum(not r.get("heartbeat") for r in writer.records) >= groups  # noqa: E731
+    streams = Streams(writer, FakeReceiver(published or [1]), MemoryLedger(),
+                      stop_after(30, also=done))
     actor = Actor(cfg, engine, FakeTask(), Codec(encode, decode, encode, stop_ids=(0,)), streams)
     return actor, engine
 
@@ -376,7 +380,8 @@ def test_a_trainer_that_is_never_behind_never_overtakes_the_logical_clock():
     # never holds a newer version than the one the actor waits for (which it refuses).
     engine_box: list[_WeightEngine] = []
     trainer = _InstantTrainer(lambda: engine_box[0].version)
-    actor, engine = _actor(True, lag_groups=1, writer=trainer, published=trainer.published)
+    actor, engine = _actor(True, lag_groups=1, writer=trainer, published=trainer.published,
+                           groups=12)
     engine_box.append(engine)
     actor.run(max_groups=12)
     assert len(trainer.records) == 12

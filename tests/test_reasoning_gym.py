@@ -89,15 +89,16 @@ def test_the_cli_refuses_an_unknown_dataset_before_starting_anything(tmp_path: P
 
 
 @pytest.mark.slow
-def test_examples_reasoning_gym_trains_and_evaluates_smollm2_through_the_cli(tmp_path: Path) -> None:
+def test_the_reasoning_gym_example_trains_and_evaluates_through_the_cli_on_a_tiny_model(
+        tmp_path: Path, tiny_smollm2_dir: Path) -> None:
+    """examples/reasoning_gym.yaml as a user runs it, its model swapped for a tiny one with
+    SmolLM2's tokenizer and template (SmolLM2 itself: tests/test_real_model.py)."""
     import json
 
-    from pipelinerl.models.sources import prepare
-
-    prepare("smollm2")
     example = Path(__file__).resolve().parents[1] / "examples" / "reasoning_gym.yaml"
     proc = subprocess.run(
         [sys.executable, "-m", "pipelinerl.cli", "train", str(example), "name=rg",
+         f"model.path={tiny_smollm2_dir}",
          f"output_dir={tmp_path}", "trainer.max_steps=3", "trainer.max_time_s=0",
          "trainer.batch_size=8", "actor.group_size=4", "engine.capacity=8",
          "engine.max_new_tokens=16", "actor.drop_zero_variance=false", "eval.num_problems=8",

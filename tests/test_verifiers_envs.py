@@ -483,12 +483,13 @@ def _cli(tmp_path: Path, config: str, *overrides: str, timeout: float = 900
     ("vf_guess.yaml", ("task.params.games=40", "task.params.env.player.max_turns=2",
                        "engine.max_new_tokens=8")),
 ])
-def test_examples_train_and_evaluate_smollm2_through_the_cli(
-        tmp_path: Path, config: str, extra: tuple[str, ...]) -> None:
-    from pipelinerl.models.sources import prepare
-
-    prepare("smollm2")
-    proc = _cli(tmp_path, config, "name=vf", "trainer.max_steps=3", "trainer.max_time_s=0",
+def test_examples_train_and_evaluate_through_the_cli_on_a_tiny_model_with_smollm2s_template(
+        tmp_path: Path, tiny_smollm2_dir: Path, config: str, extra: tuple[str, ...]) -> None:
+    """The example as a user runs it, its model swapped for a tiny one with SmolLM2's
+    tokenizer and template: the environment, the roles and the records end to end (what
+    SmolLM2 itself does in them: tests/test_real_model.py)."""
+    proc = _cli(tmp_path, config, "name=vf", f"model.path={tiny_smollm2_dir}",
+                "trainer.max_steps=3", "trainer.max_time_s=0",
                 "trainer.batch_size=8", "actor.group_size=4", "engine.capacity=8",
                 "actor.drop_zero_variance=false", "eval.num_problems=4", "eval.samples=2",
                 *extra)

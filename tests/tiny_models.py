@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,3 +103,26 @@ def random_groups(n_groups: int, rng: random.Random) -> list[Group]:
                                   actor_id=0))
         groups.append(Group(f"g{g}", "p", samples, actor_id=0))
     return groups
+
+
+def tiny_smollm2(out: Path) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer, chat template and stop tokens over a random Llama of
+    its vocabulary, 2 layers of width 64 (3.2M parameters, nearly all the embedding): for
+    end-to-end runs that check an example's wiring (its environment, template, roles and
+    records) rather than what the real model does, which tests/test_real_model.py checks."""
+    from pipelinerl.models.sources import prepare
+
+    real = prepare("smollm2")
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (real / name).exists():
+            shutil.copy(real / name, out / name)
+    config = LlamaConfig.from_pretrained(real)
+    config.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
