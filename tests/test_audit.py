@@ -68,7 +68,5 @@ def test_the_audit_names_an_unreachable_redis_and_exits_2(
 def test_a_trainer_started_by_hand_writes_the_config_the_audit_reads(tmp_path: Path) -> None:
     from pipelinerl.roles.trainer import open_records
     cfg = load_config(overrides=[f"output_dir={tmp_path}", "name=r", "run_id=byhand"])
-    metrics, trained = open_records(cfg, None)
-    trained.close()
-    metrics.close()
+    open_records(cfg, None).close()
     assert load_config(cfg.run_dir / "config.yaml").run_id == "byhand"
