@@ -10,8 +10,18 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from pipelinerl.streams.redis_server import RedisServer, start_redis_server
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The workers share the cores, one each: a test computes on one thread (one that needs
+    # more sets it), and so does what it spawns without choosing (the launcher gives each
+    # role its own). torch's default, a thread per core in each worker, oversubscribed them:
+    # SmolLM2's greedy check took 53-130 s beside the other worker, 14 s on one thread.
+    torch.set_num_threads(1)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
 
 
 @pytest.fixture(scope="session")
