@@ -32,25 +32,28 @@ EXAMPLES = ROOT / "examples"
 RECORDS = BENCH / "env_runs"
 
 
-def run(config: str, seed: int, minutes: float, out: Path) -> Path:
-    """One training run; its records, copied into RECORDS, are returned's stem."""
+def run(config: str, seed: int, minutes: float, out: Path, cwd: Path = EXAMPLES,
+        records: Path = RECORDS, extra: tuple[str, ...] = ()) -> Path:
+    """One training run (from `cwd`, with `extra` overrides); its records, copied into
+    `records`, are returned's stem."""
     name = f"{Path(config).stem}-seed{seed}"
     cmd = [sys.executable, "-m", "pipelinerl.cli", "train", config, f"name={name}",
            f"output_dir={out}", f"seed={seed}", f"trainer.max_time_s={minutes * 60:.0f}",
-           "metrics.progress=false", "metrics.plot=false", "--overwrite"]
-    print("$ (cd examples &&", " ".join(cmd[2:]), ")", flush=True)
+           "metrics.progress=false", "metrics.plot=false", *extra, "--overwrite"]
+    print(f"$ (cd {cwd.relative_to(ROOT) if cwd != ROOT else '.'} &&", " ".join(cmd[2:]), ")",
+          flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=EXAMPLES, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     run_dir = out / name
-    RECORDS.mkdir(exist_ok=True)
-    shutil.copy(run_dir / "config.yaml", RECORDS / f"{name}.config.yaml")
+    records.mkdir(exist_ok=True)
+    shutil.copy(run_dir / "config.yaml", records / f"{name}.config.yaml")
     with (run_dir / "metrics.jsonl").open("rb") as src, \
-            gzip.open(RECORDS / f"{name}.metrics.jsonl.gz", "wb") as dst:
+            gzip.open(records / f"{name}.metrics.jsonl.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
-    (RECORDS / f"{name}.wall_s").write_text(f"{time.monotonic() - t0:.0f}\n")
-    return RECORDS / name
+    (records / f"{name}.wall_s").write_text(f"{time.monotonic() - t0:.0f}\n")
+    return records / name
 
 
 def summary(stem: Path) -> list[str]:

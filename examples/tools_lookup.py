@@ -10,6 +10,7 @@ Run as a program, this file is the MCP server (stdio, the official SDK's MCPServ
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 
@@ -35,6 +36,20 @@ class StockCodes:
         return Problem(f"stock:{product}",
                        f"What is the stock code of the product {product}? Use the tool, "
                        "then answer with the code.", stock_code(product))
+
+    def tool_demonstration(self, problem: Problem, rng: random.Random,
+                           error_prob: float) -> list[str]:
+        """The model's turns for the warm start (`warmstart.given_model`): a call, then the
+        answer read from the reply. Noisy, so RL has room: with `error_prob` the call is skipped
+        and a code guessed; with `error_prob / 2` the reply is read wrong."""
+        product = problem.problem_id.removeprefix("stock:")
+        if rng.random() < error_prob:
+            return [f"The stock code of {product} is {rng.randrange(10000):04d}."]
+        call = json.dumps({"name": "stock_lookup", "arguments": {"product": product}})
+        code = problem.answer
+        if rng.random() < error_prob / 2:
+            code = f"{(int(code) + rng.randrange(1, 10000)) % 10000:04d}"
+        return [f"<tool_call>\n{call}\n</tool_call>", f"The stock code of {product} is {code}."]
 
     def score(self, problem: Problem, transcript: str) -> Score:
         # What follows the last tool reply: the model's answer, not the tool's text.

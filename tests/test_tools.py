@@ -9,6 +9,7 @@ are tested in test_multiturn_engine.py."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pipelinerl.config import Config, McpServerConfig, ToolsConfig
 from pipelinerl.envs.rollout import Rollouts
 from pipelinerl.models.prompts import Codec
 from pipelinerl.tasks.base import Problem
+from pipelinerl.tools.chat import ToolChat
 from pipelinerl.tools.formats import detect_format, parse_hermes, parse_llama3
 from pipelinerl.tools.host import ToolHost
 from pipelinerl.tools.record import ToolLog
@@ -305,6 +307,71 @@ def test_replies_are_recorded_and_a_replay_or_a_deterministic_resume_takes_them(
     log = ToolLog(None, "actor0", [tmp_path / "run"])
     assert log.recorded_reply("a0-g0-0/0/0", "clock", {})["reply"] == first[0]
     assert log.recorded_reply("a0-g0-0/0/0", "clock", {"x": 1}) is None and log.misses == 1
+
+
+# -- the warm start's demonstrations --------------------------------------------------------
+
+def test_a_tool_demonstration_holds_the_ids_a_rollout_of_the_same_turns_holds() -> None:
+    """The warm start trains on what RL will see: the prompt with the tools, each model turn
+    and its stop token (trained), each real reply with the next turn's header (not trained),
+    id for id the rollout's."""
+    from tool_kit.demos import FruitCodes
+
+    from pipelinerl.tools.warmstart import ToolDemos
+
+    rollouts, _, tokenizer, codec = _rollouts("qwen2.5")
+    try:
+        task = FruitCodes()
+        problem = task.sample_problem(random.Random(0))
+        turns = task.tool_demonstration(problem, random.Random(0), 0.0)
+        prompt_ids = codec.encode(problem.prompt)
+        rollouts.request("g-0", problem, prompt_ids)
+        assert rollouts.on_turn(turn("g-0", _model_turn(tokenizer, turns[0]))) is None
+        wait_for_replies(rollouts, 1)
+        assert rollouts.on_turn(turn("g-0", _model_turn(tokenizer, turns[1]))) is None
+        (done,) = wait_for_replies(rollouts, 1)
+        assert [r["reply"] for r in done.tool_calls] == [problem.answer]
+        demos = ToolDemos(task, tokenizer, rollouts.pool.chat, rollouts.pool, "hermes")
+        ids, labels = demos.encode(random.Random(0), 0.0)
+        assert ids == prompt_ids + done.token_ids
+        assert [label != -100 for label in labels] == \
+            [False] * len(prompt_ids) + [bool(m) for m in done.model_mask]
+        assert [i for i, label in zip(ids, labels) if label != -100] == [
+            t for text in turns for t in _model_turn(tokenizer, text)]
+    finally:
+        rollouts.close()
+
+
+def test_a_demonstration_turn_without_a_call_before_more_turns_is_refused_naming_the_task(
+        ) -> None:
+    from tool_kit.demos import FruitCodes
+
+    from pipelinerl.tools.warmstart import ToolDemos
+
+    class Rambles(FruitCodes):
+        def tool_demonstration(self, problem: Problem, rng: Any, error_prob: float) -> list[str]:
+            return ["Let me think.", "The code is 1."]
+
+    rollouts, _, tokenizer, _ = _rollouts("qwen2.5")
+    try:
+        demos = ToolDemos(Rambles(), tokenizer, rollouts.pool.chat, rollouts.pool, "hermes")
+        with pytest.raises(ValueError, match="fruit_codes.*calls no tool but more turns"):
+            demos.encode(random.Random(0), 0.0)
+    finally:
+        rollouts.close()
+
+
+def test_a_tool_prompt_of_ones_own_replaces_the_hermes_prompt_and_must_hold_the_specs() -> None:
+    with pytest.raises(ValueError, match=r"tools.prompt must hold \{tools\}"):
+        ToolsConfig(prompt="Call tools.")
+    tokenizer = family_tokenizer("chatml")
+    from tool_kit.functions import lookup
+
+    specs = [function_spec(lookup, "function")]
+    chat = ToolChat(tokenizer, specs, "Be brief.", "Tools:\n{tools}\nCall with <tool_call>.")
+    assert chat.system_text() == ("Be brief.\n\nTools:\n" + json.dumps(specs[0].openai())
+                                  + "\nCall with <tool_call>.")
+    assert "function signatures" in ToolChat(tokenizer, specs).system_text()  # Hermes'
 
 
 # -- MCP servers ---------------------------------------------------------------------------

@@ -388,3 +388,52 @@ def test_two_runs_warm_starting_one_new_entry_at_once_build_it_once(
         logger.setLevel(level)
     assert waiting.is_set() and len(builds.by) == 1 and builds.most_at_once == 1
     assert len(results) == 2 and results[0] == results[1]
+
+
+# -- a given model warm-started (warmstart.given_model) --------------------------------------
+
+def _given(model_dir: Path, cache: Path, **overrides: object) -> Config:
+    return Config(model={"path": str(model_dir)},
+                  task={"name": "tool_kit.demos:FruitCodes", "heldout_frac": 0.0},
+                  tools={"functions": ["tool_kit.functions:lookup"], **overrides},
+                  warmstart={"given_model": True, "steps": 2, "batch_size": 2, "lr": 1e-3,
+                             "warmup_steps": 0, "cache_dir": str(cache)},
+                  metrics={"progress": False})
+
+
+def test_a_given_model_is_warm_started_on_tool_episodes_once_and_a_resume_keeps_it(
+        tiny_smollm2_dir: Path, tmp_path: Path) -> None:
+    """The tiny model with SmolLM2's tokenizer, trained two steps on the task's tool-using
+    episodes (replies from the real function): cached under what it depends on, the base
+    recorded, and a resume that names another base refused."""
+    from pipelinerl.roles.starting_model import resumed_model
+
+    cfg = _given(tiny_smollm2_dir, tmp_path)
+    out = starting_model(cfg)
+    manifest = json.loads((out / ws.MANIFEST).read_text())
+    assert Path(manifest["base_model_dir"]) == tiny_smollm2_dir
+    assert (manifest["config"]["steps"], manifest["config"]["lr"]) == (2, 1e-3)
+    assert manifest["eval_problems"] == 0  # the evaluator's version-0 pass measures it
+    base = load_model(tiny_smollm2_dir).state_dict()
+    tuned = load_model(out).state_dict()
+    assert any(not torch.equal(base[k], tuned[k]) for k in base)
+    built = (out / ws.MANIFEST).stat().st_mtime_ns
+    assert starting_model(cfg) == out and (out / ws.MANIFEST).stat().st_mtime_ns == built
+    # The tool prompt is part of what the model learnt: another one is another model.
+    assert starting_model(_given(tiny_smollm2_dir, tmp_path, prompt="T:\n{tools}")) != out
+
+    saved = cfg.model_copy(deep=True)
+    saved.model.path = str(out)
+    assert resumed_model(cfg, saved) == (str(out), [])
+    other = _given(tmp_path / "elsewhere", tmp_path)
+    assert resumed_model(other, saved)[1] == [
+        f"model.path (warm-started): {str(tiny_smollm2_dir)!r} then, "
+        f"{str(tmp_path / 'elsewhere')!r} now"]
+
+
+def test_a_given_model_whose_task_writes_no_tool_episodes_is_refused_naming_what_it_lacks(
+        tiny_smollm2_dir: Path, tmp_path: Path) -> None:
+    cfg = _given(tiny_smollm2_dir, tmp_path)
+    cfg.task.name = "arithmetic"  # demonstrations, but none with tools
+    with pytest.raises(SystemExit, match="lacks tool_demonstration.*given_model=false"):
+        starting_model(cfg)

@@ -40,7 +40,17 @@ class WarmStartConfig(_Section):
     """Supervised warm-start on noisy demonstrations, so the starting policy earns reward."""
 
     enabled: bool = True
+    # Warm-start a given model.path too, before RL (docs/tools.md "A warm start"): on the
+    # task's demonstrations through the model's chat template, or with a tools section on its
+    # tool-using episodes (`tool_demonstration`), replies from the real tools. Off: a given
+    # model is RL's start as it is; the warm start is only for the tiny model built when
+    # model.path is empty.
+    given_model: bool = False
     steps: int = Field(default=0, ge=0, description="0: the warm-start module's default")
+    batch_size: int = Field(default=0, ge=0, description="0: the warm-start module's default")
+    lr: float = Field(default=0.0, ge=0.0, description="0: the warm-start module's default "
+                      "(3e-3, for a tiny model from scratch; a pretrained one wants ~1e-4)")
+    warmup_steps: int = Field(default=-1, ge=-1, description="<0: the module's default")
     step_error_prob: float = Field(default=-1.0, le=1.0, description="<0: module default")
     cache_dir: str = Field(
         default="",
@@ -426,12 +436,19 @@ class ToolsConfig(_Section):
     # the model, counted) or drop (the rollout's group is dropped, counted).
     on_error: Literal["reply", "drop"] = "reply"
     max_reply_chars: int = Field(default=2000, gt=0, description="a longer reply is cut")
+    # The system prompt that offers the tools when the chat template renders none of its own:
+    # "{tools}" stands for the specs, one JSON object a line. Empty: the Hermes-style prompt
+    # (tools/chat.py's HERMES_PROMPT, ~280 tokens for one tool; a short one saves a small model
+    # that cost in every sample).
+    prompt: str = ""
     # deterministic mode, or any run: take the replies recorded in this run directory instead
     # of calling (`pipelinerl train --replay-tools RUN_DIR`).
     replay_from: str = ""
 
     @model_validator(mode="after")
     def _unique_servers(self) -> "ToolsConfig":
+        if self.prompt and "{tools}" not in self.prompt:
+            raise ValueError("tools.prompt must hold {tools}, where the tool specs go")
         names = [s.name for s in self.mcp]
         if len(set(names)) < len(names):
             raise ValueError(f"tools.mcp: server names must be unique, got {names}")

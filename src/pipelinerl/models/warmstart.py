@@ -5,6 +5,10 @@ cross-entropy on NOISY worked demonstrations: each step is wrong with probabilit
 `step_error_prob`, the chain continuing from the wrong value. The model learns the format and
 most of the arithmetic, but at temperature 1 it reproduces the slips, so its success rate
 leaves RL room to climb. The result is cached under a hash of everything that determines it.
+
+The demonstrations are the task's (`encode_demo`), or a `Demos` source's: a given chat model's
+prompts through its template (`ChatDemos`), or tool-using conversations whose replies come
+from the tools themselves (`pipelinerl.tools.warmstart`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 from tqdm import tqdm
@@ -31,6 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from pipelinerl.models.hf import encode_prompt, load_model, load_tokenizer, save_model
+from pipelinerl.models.prompts import PromptEncoder
 from pipelinerl.models.sources import file_sha256
 from pipelinerl.models.tiny import build_char_tokenizer, init_tiny_model
 from pipelinerl.proc.cache import building, user_cache
@@ -81,23 +86,60 @@ class WarmStartConfig:
 
 _NOT_IN_KEY = {"num_threads", "eval_problems"}
 
+Example = tuple[list[int], list[int]]  # (input_ids, labels), labels -100 where not trained
+
+
+class Demos(Protocol):
+    """A source of demonstrations other than the task's plain prompt + completion."""
+
+    def key(self) -> dict[str, Any]:
+        """What the encoding depends on beyond the task and the model (for the cache key)."""
+        ...
+
+    def encode(self, rng: random.Random, step_error_prob: float) -> Example:
+        """One noisy demonstration, labels -100 on what the model does not write."""
+        ...
+
+
+class ChatDemos:
+    """The task's demonstrations with its prompts as the run's roles encode them (a given
+    chat model: through its template, with `task.system_prompt`)."""
+
+    def __init__(self, task: DemonstrationTask, prompts: PromptEncoder) -> None:
+        self.task, self.prompts = task, prompts
+
+    def key(self) -> dict[str, Any]:
+        return {"prompt": self.prompts.text("PROMPT")}
+
+    def encode(self, rng: random.Random, step_error_prob: float) -> Example:
+        return encode_demo(self.task, self.prompts.tokenizer, rng, step_error_prob,
+                           prompt=self.prompts)
+
 
 def cache_key(
-    task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | Path | None = None
+    task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | Path | None = None,
+    demos: Demos | None = None,
 ) -> str:
     """Hash of everything that determines the warm-started weights."""
     spec: dict[str, Any] = {
         "code_version": CODE_VERSION,
         "task": task.name,
-        "task_params": task.params(),
+        "task_params": _params(task),
         "task_code": _task_code(task),
         "cfg": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_IN_KEY},
         "base_model": _dir_fingerprint(base_model_dir) if base_model_dir else None,
     }
+    if demos is not None:  # absent otherwise, so the tiny models' keys stay as they were
+        spec["demos"] = demos.key()
     if base_model_dir:
         spec["cfg"].pop("preset")
     blob = json.dumps(spec, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _params(task: DemonstrationTask) -> dict[str, Any]:
+    # A user's task may have none: its code's hash (`_task_code`) still keys it.
+    return task.params() if hasattr(task, "params") else {}
 
 
 def _task_code(task: object) -> list[str]:
@@ -154,11 +196,15 @@ def warm_start(
     cache_dir: str | Path | None = None,
     base_model_dir: str | Path | None = None,
     progress: bool = True,
+    demos: Demos | None = None,
 ) -> Path:
     """Return the directory of the warm-started model (HF format, tokenizer included),
     training it first unless the cache already holds it. `base_model_dir` replaces the
-    tiny model built for `task.alphabet`; `cache_dir` as in `resolve_cache_dir`."""
-    key = cache_key(task, cfg, base_model_dir)
+    tiny model built for `task.alphabet`; `cache_dir` as in `resolve_cache_dir`; `demos`
+    (with a base model, whose tokenizer it encodes with) replaces `encode_demo`."""
+    if demos is not None and not base_model_dir:
+        raise ValueError("demos need the base model whose tokenizer encodes them")
+    key = cache_key(task, cfg, base_model_dir, demos)
     name = f"{task.name}-{'base' if base_model_dir else cfg.preset}-{key}"
     out = resolve_cache_dir(cache_dir) / name
     if (out / MANIFEST).is_file():
@@ -167,12 +213,12 @@ def warm_start(
     # Two runs started together on a new cache entry: the second waits, then takes the first's.
     with building(out):
         if not (out / MANIFEST).is_file():
-            _build(task, cfg, base_model_dir, key, out, progress)
+            _build(task, cfg, base_model_dir, key, out, progress, demos)
     return out
 
 
 def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | Path | None,
-           key: str, out: Path, progress: bool) -> None:
+           key: str, out: Path, progress: bool, demos: Demos | None) -> None:
     """Train the warm-started model and save it, with its manifest, as `out`."""
     # Build in a private directory and rename at the end, so a crash or a concurrent run
     # never leaves a half-written model where the cache looks for a finished one.
@@ -195,16 +241,16 @@ def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | 
             tokenizer = build_char_tokenizer(task.alphabet, tmp)
             model = init_tiny_model(tokenizer, cfg.preset, cfg.seed)
         t0 = time.perf_counter()
-        losses = train(model, tokenizer, task, cfg, progress, guard)
+        losses = train(model, tokenizer, task, cfg, progress, guard, demos)
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         # Generation is many small ops, each a barrier across threads: one thread was about
         # as fast when quiet (4.0 vs 3.5 s) and 3x faster beside a busy process (4.7 vs 15.6).
         torch.set_num_threads(1)
         rng = random.Random(f"eval-{cfg.seed}")
-        # An environment's rollouts need its replies, which plain generation here lacks: the
-        # evaluator's version-0 pass measures its starting policy instead.
-        n_eval = 0 if is_environment(task) else cfg.eval_problems
+        # An environment's rollouts need its replies, and other demos their own prompts, which
+        # plain generation here lacks: the evaluator's version-0 pass measures the start.
+        n_eval = 0 if is_environment(task) or demos else cfg.eval_problems
         problems = [task.sample_problem(rng) for _ in range(n_eval)]
         evals = {
             f"success_{name}": success_rate(model, tokenizer, task, problems, temperature, cfg.seed)
@@ -217,7 +263,7 @@ def _build(task: DemonstrationTask, cfg: WarmStartConfig, base_model_dir: str | 
         manifest = {
             "key": key,
             "task": task.name,
-            "task_params": task.params(),
+            "task_params": _params(task),
             "config": asdict(cfg),
             "base_model_dir": str(base_model_dir) if base_model_dir else None,
             "code_version": CODE_VERSION,
@@ -264,17 +310,18 @@ def encode_demo(
     tokenizer: PreTrainedTokenizerBase,
     rng: random.Random,
     step_error_prob: float,
-) -> tuple[list[int], list[int]]:
+    prompt: Callable[[str], list[int]] | None = None,
+) -> Example:
     """(input_ids, labels) of one noisy demonstration; labels are -100 on the prompt, so the
     loss covers the completion and its EOS only. Prompt and completion are encoded
-    separately, as the engine sees them."""
+    separately, as the engine sees them; `prompt` encodes the prompt (default: as is)."""
     problem = task.sample_problem(rng)
-    prompt = encode_prompt(tokenizer, problem.prompt)
+    prompt_ids = prompt(problem.prompt) if prompt else encode_prompt(tokenizer, problem.prompt)
     completion = tokenizer.encode(
         task.demonstration(problem, rng, step_error_prob), add_special_tokens=False
     )
     completion.append(tokenizer.eos_token_id)
-    return prompt + completion, [-100] * len(prompt) + completion
+    return prompt_ids + completion, [-100] * len(prompt_ids) + completion
 
 
 def collate(
@@ -296,13 +343,15 @@ def demo_batches(
     tokenizer: PreTrainedTokenizerBase,
     cfg: WarmStartConfig,
     rng: random.Random,
+    demos: Demos | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches of fresh demonstrations. Examples are drawn BUCKET batches at a time
-    and grouped by length, so a batch is not padded to the rare long tail (about half the
-    compute with the default length distribution)."""
+    """Endless batches of fresh demonstrations (the task's, or `demos`'). Examples are drawn
+    BUCKET batches at a time and grouped by length, so a batch is not padded to the rare long
+    tail (about half the compute with the default length distribution)."""
     while True:
         pool = [
-            encode_demo(task, tokenizer, rng, cfg.step_error_prob)
+            demos.encode(rng, cfg.step_error_prob) if demos
+            else encode_demo(task, tokenizer, rng, cfg.step_error_prob)
             for _ in range(BUCKET * cfg.batch_size)
         ]
         pool.sort(key=lambda ex: len(ex[0]))
@@ -319,6 +368,7 @@ def train(
     cfg: WarmStartConfig,
     progress: bool = True,
     guard: ContentionGuard | None = None,
+    demos: Demos | None = None,
 ) -> list[float]:
     """Train in place on fresh noisy demonstrations; returns the loss of every step.
     `guard` is told each step's time and tokens (it may take threads away when the CPUs get
@@ -336,7 +386,7 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     losses = []
-    batches = demo_batches(task, tokenizer, cfg, rng)
+    batches = demo_batches(task, tokenizer, cfg, rng, demos)
     bar = tqdm(range(cfg.steps), desc="warm-start", disable=not progress, mininterval=1.0)
     for _ in bar:
         t0 = time.perf_counter()

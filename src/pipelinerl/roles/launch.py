@@ -17,13 +17,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
 from pipelinerl.config import Config, load_config, save_config
 from pipelinerl.proc.ports import free_port
 from pipelinerl.proc.stop_signals import StopSignals
+from pipelinerl.roles.starting_model import resumed_model, starting_model
 from pipelinerl.rollouts.scoring import check_sendable
 from pipelinerl.streams.redis_server import start_redis_server
 from pipelinerl.tasks import make_train_task
@@ -89,7 +90,7 @@ def prepare_run(cfg: Config, overwrite: bool, resume: bool = False) -> Config:
     if overwrite and run_dir.exists():
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if not cfg.model.path:
+    if not cfg.model.path or cfg.warmstart.given_model:
         cfg.model.path = str(starting_model(cfg))
     if cfg.sync.backend == "broadcast" and not cfg.sync.init_method:
         cfg.sync.init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -109,9 +110,9 @@ def prepare_resume(cfg: Config) -> Config:
                          "--resume")
     saved = load_config(saved_path)
     cfg = cfg.model_copy(deep=True)
-    if not cfg.model.path:  # the warm-started model the run began from
-        cfg.model.path = saved.model.path
-        changed = _changed(saved, cfg, ("warmstart",))
+    if not cfg.model.path or cfg.warmstart.given_model:  # the model the run began from
+        cfg.model.path, changed = resumed_model(cfg, saved)
+        changed += _changed(saved, cfg, ("warmstart",))
     else:
         changed = []
     changed += _changed(saved, cfg, RESUME_FIXED)
@@ -165,35 +166,6 @@ def _changed(saved: Config, cfg: Config, keys: tuple[str, ...]) -> list[str]:
 
     return [f"{k}: {value(saved, k)!r} then, {value(cfg, k)!r} now" for k in keys
             if value(saved, k) != value(cfg, k)]
-
-
-def starting_model(cfg: Config) -> Path:
-    """The warm-started tiny model for the task (built and cached on first use)."""
-    # transformers (~8 s to import here): only a run without model.path needs it.
-    from pipelinerl.models.warmstart import (
-        WarmStartConfig,
-        resolve_cache_dir,
-        warm_start,
-    )
-
-    if not cfg.warmstart.enabled:
-        raise SystemExit("model.path is empty and warmstart.enabled=false: give model.path=DIR "
-                         "(a local Hugging Face model directory)")
-    ws = WarmStartConfig(preset=cfg.model.preset, seed=cfg.warmstart.seed, bf16=cfg.warmstart.bf16)
-    if cfg.warmstart.steps:
-        ws = replace(ws, steps=cfg.warmstart.steps)
-    if cfg.warmstart.step_error_prob >= 0:
-        ws = replace(ws, step_error_prob=cfg.warmstart.step_error_prob)
-    # Without the held-out part: the warm-start is training too.
-    task = make_train_task(cfg.task.name, cfg.task.params, cfg.task.heldout_frac)
-    lacks = [a for a in ("demonstration", "alphabet", "params") if not hasattr(task, a)]
-    if lacks:
-        raise SystemExit(f"task {cfg.task.name!r} cannot be warm-started (it lacks "
-                         f"{', '.join(lacks)}; docs/tasks.md): give model.path=DIR")
-    cache_dir = resolve_cache_dir(cfg.warmstart.cache_dir)
-    print(f"warm-start: starting policy from {cache_dir} (built there on first use)",
-          file=sys.stderr)
-    return warm_start(task, ws, cache_dir=cache_dir, progress=cfg.metrics.progress)
 
 
 def _spawn(role: str, args: list[str], cfg: Config, threads: int, to_log: bool,

@@ -55,7 +55,8 @@ class TrainSplit:
 
     def params(self) -> dict[str, Any]:
         """The task's params and the split: both decide what the warm-start trains on."""
-        return {**self.task.params(), "heldout_frac": self.heldout_frac}
+        own = self.task.params() if hasattr(self.task, "params") else {}  # a user's may lack it
+        return {**own, "heldout_frac": self.heldout_frac}
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "task":  # pickling looks these up before __init__

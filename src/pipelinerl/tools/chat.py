@@ -31,7 +31,7 @@ You are provided with function signatures within <tools></tools> XML tags:
 
 For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
 <tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
+{"name": <function-name>, "arguments": <args-json-object>}
 </tool_call>"""
 
 # Placeholders of the conversation the reply text is cut from.
@@ -48,13 +48,16 @@ class Answered:
 
 class ToolChat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, specs: list[ToolSpec],
-                 system_prompt: str = "") -> None:
+                 system_prompt: str = "", tool_prompt: str = "") -> None:
+        """`tool_prompt`: the prompt offering the tools when the template has none ("{tools}"
+        for the specs; empty: `HERMES_PROMPT`)."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tools need a chat template: the tokenizer has none (a base model "
                              "does not know where a tool call or reply goes)")
         self.tokenizer = tokenizer
         self.specs = specs
         self.system_prompt = system_prompt
+        self.tool_prompt = tool_prompt or HERMES_PROMPT
         self._tools = [s.openai() for s in specs]
         plain = [{"role": "user", "content": _USER}]
         self.native = self._render(plain, tools=self._tools) != self._render(plain)
@@ -71,7 +74,7 @@ class ToolChat:
         if self.native:
             return self.system_prompt
         tools = "\n".join(json.dumps(t, ensure_ascii=False) for t in self._tools)
-        prompt = HERMES_PROMPT.format(tools=tools)
+        prompt = self.tool_prompt.replace("{tools}", tools)
         return f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt
 
     def prompt_text(self, prompt: str) -> str:

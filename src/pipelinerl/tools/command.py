@@ -50,7 +50,8 @@ def _show(cfg: Config, host: Any, chat: Any, fmt: str) -> int:
     for spec in host.specs.values():
         print(f"{spec.name}  ({spec.source})\n  {spec.description}\n"
               f"  {json.dumps(spec.parameters, ensure_ascii=False)}")
-    where = "the chat template's own" if chat.native else "pipelinerl's Hermes-style prompt"
+    where = ("the chat template's own" if chat.native else "tools.prompt" if cfg.tools.prompt
+             else "pipelinerl's Hermes-style prompt")
     print(f"\ncalls: {fmt} format; tools rendered by {where}; replies as "
           f"{'tool' if chat.native else chat.reply_role} messages; at most "
           f"{cfg.tools.max_calls} calls per rollout")

@@ -78,6 +78,11 @@ class ToolReplies(FutureReplies):
         self.host.close()
         self.log.close()
 
+    def answer(self, key: str, turn: int, text: str, ended_on: str | None) -> Reply | None:
+        """One turn answered now, as `submit` would (for demonstrations written outside a
+        rollout: `pipelinerl.tools.warmstart`); None when `on_error=drop` drops it."""
+        return self.host.run(self._respond(key, turn, text, ended_on))[0]
+
     # -- on the host's loop ------------------------------------------------------------------
     async def _respond(self, key: str, turn: int, text: str, ended_on: str | None
                        ) -> tuple[Reply | None, str]:

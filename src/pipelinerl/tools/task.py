@@ -72,7 +72,8 @@ def open_tools(cfg: Config, tokenizer: PreTrainedTokenizerBase
     tools = cfg.tools
     host = ToolHost(tools, workers=cfg.actor.env_workers)
     try:
-        chat = ToolChat(tokenizer, list(host.specs.values()), cfg.task.system_prompt)
+        chat = ToolChat(tokenizer, list(host.specs.values()), cfg.task.system_prompt,
+                        tools.prompt)
         fmt, parse = parser_for(tools.format, tokenizer.chat_template)
     except BaseException:
         host.close()
