@@ -30,7 +30,8 @@ FLOORS: list[list[str]] = [
     ["roles/", "viewer/"],
     ["cli.py"],
 ]
-# roles/wiring.py and roles/heldout.py are what they share
+# roles/wiring.py and roles/heldout.py are what they share, roles/actor_lockstep.py the actor's
+# deterministic mode: machinery beside the roles, not roles
 ROLES = {"actor", "trainer", "evaluator", "launch"}
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 

@@ -9,6 +9,11 @@ groups while the staleness bound (`Schedule`) admits them; heartbeat if nothing 
 for a while; run one decode step (or wait, when nothing can be decoded). A finished sequence
 answers its HTTP request or ends an attempt; a group whose attempts are all in goes to the
 scorer (worker processes: verification never stops decoding).
+
+Deterministic mode (`deterministic.enabled`, docs/determinism.md) lives in
+`roles/actor_lockstep.py`: the actor holds one `Lockstep` (None when off) and asks it where
+timing would otherwise decide: admitting a group, seeding an attempt, which scores are due,
+whether a group is trained, landing the version due after a publish, and snapshots.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import random
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -29,7 +34,7 @@ from pipelinerl.envs.groups import GroupCollector, group_key, request_id
 from pipelinerl.envs.rollout import Rollouts, Transcript
 from pipelinerl.models.prompts import Codec, text_codec
 from pipelinerl.rl.advantages import zero_variance
-from pipelinerl.rl.batches import oldest_version
+from pipelinerl.roles.actor_lockstep import Lockstep, snapshot_to_resume
 from pipelinerl.roles.wiring import (
     Control,
     open_admission_ledger,
@@ -39,24 +44,10 @@ from pipelinerl.roles.wiring import (
     predecessor_record,
 )
 from pipelinerl.rollouts.admission import Ledger, MemoryLedger
-from pipelinerl.rollouts.due import DueQueue
 from pipelinerl.rollouts.generation import sampling_from_config
 from pipelinerl.rollouts.scoring import Scored, Scorer
 from pipelinerl.run.group_ids import format_group_id, next_restart, process_seed
-from pipelinerl.run.replay import (
-    MergedView,
-    PublishedLog,
-    TrainerMirror,
-    check_deterministic_task,
-    read_snapshot,
-    reply_delay_steps,
-    request_seed,
-    resume_point,
-    resume_points,
-    superseded_after,
-    use_deterministic_torch,
-    write_snapshot,
-)
+from pipelinerl.run.replay import reply_delay_steps, use_deterministic_torch
 from pipelinerl.streams.base import StreamWriter
 from pipelinerl.sync.base import WeightReceiver
 from pipelinerl.tasks import make_train_task
@@ -172,6 +163,9 @@ class ActorStats:
         if len(self.skipped_ids[reason]) < MAX_SKIPPED_IDS:
             self.skipped_ids[reason].add(problem_id)
 
+    def count_idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+
     def count_step(self, decoded: int, seconds: float) -> None:
         """One engine step that decoded `decoded` sequences in `seconds`."""
         self.decode_steps += 1
@@ -238,25 +232,13 @@ class Actor:
                                   reply_delay_steps(cfg), codec.token_text)
                          if is_environment(task) else None)
         self.stats = ActorStats()
-        # Deterministic mode (pipelinerl.run.replay): weights, scores and the trainer's drops are
-        # taken at points of logical clocks.
-        self.mirror: TrainerMirror | None = None
-        self.view: MergedView | None = None  # the run's groups in the trainer's order
-        self.published_log: PublishedLog | None = None  # for the other actors' views
-        self.score_queue: DueQueue | None = None
-        self._scored: dict[str, Scored] = {}  # scores in before their group is due
-        # Snapshots (docs/determinism.md): after loading a version that is a multiple of this
-        # (0: never), admit and publish nothing until the engine is empty, then write one.
-        self.snapshot_every = 0
-        self.draining = False
-        if cfg.deterministic.enabled:
-            self.snapshot_every = cfg.trainer.checkpoint_every_steps
-            check_deterministic_task(cfg, task)
-            self.mirror = TrainerMirror.of(cfg)
-            self.view = self._merged_view(cfg, actor_id, self.mirror)
-            if cfg.actor.num_actors > 1:
-                self.published_log = PublishedLog(cfg.run_dir, actor_id)
-            self.score_queue = DueQueue(cfg.deterministic.score_delay_steps)
+        # Deterministic mode (roles/actor_lockstep.py): weights, scores and the trainer's
+        # drops are taken at points of logical clocks; None: free-running.
+        self.lockstep = (Lockstep(cfg, task, engine, self.scorer, streams.receiver,
+                                  actor_id=actor_id, should_stop=streams.should_stop,
+                                  load_weights=self.maybe_update_weights,
+                                  count_idle=self.stats.count_idle)
+                         if cfg.deterministic.enabled else None)
         self.in_flight = 0  # requests submitted to the engine and not yet finished
         self._groups: dict[str, _PendingGroup] = {}  # started and not yet published or dropped
         self.published = 0  # groups published, by earlier processes of this actor too
@@ -279,14 +261,6 @@ class Actor:
         # This actor's claim: published + started and not yet published (none yet).
         self.streams.ledger.set(actor_id, self.published)
 
-    @staticmethod
-    def _merged_view(cfg: Config, actor_id: int, mirror: TrainerMirror) -> MergedView:
-        kept = superseded_after(resume_points(cfg.run_dir)) if cfg.attempt else {}
-        logs = {a: PublishedLog(cfg.run_dir, a, kept)
-                for a in range(cfg.actor.num_actors) if a != actor_id}
-        return MergedView(mirror, actor_id, cfg.actor.num_actors, cfg.deterministic.lag_groups,
-                          logs)
-
     # -- the loop ---------------------------------------------------------------------------
     def run(self, max_groups: int | None = None, resume: dict[str, Any] | None = None) -> None:
         """The loop until the trainer stops (or `max_groups` are published); `resume`: a
@@ -297,10 +271,12 @@ class Actor:
             while not self.streams.should_stop():
                 if max_groups is not None and self.stats.groups_published >= max_groups:
                     break
-                if self.mirror is not None:
-                    self.maybe_snapshot()
-                    self.publish_due_scores()
-                    if self.view is not None and self.view.complete:
+                if (lockstep := self.lockstep) is not None:
+                    lockstep.maybe_snapshot(self.in_flight == 0, self.state)
+                    for scored in lockstep.due_scores(self.stats.decode_steps,
+                                                      idle=self.in_flight == 0):
+                        self.publish(scored)
+                    if lockstep.complete:
                         # No group is published past here: take what comes, as a broadcast
                         # channel needs (the trainer's final publish waits for every actor).
                         self.maybe_update_weights()
@@ -407,114 +383,30 @@ class Actor:
         self.stats.last_update_pause_s = pause
         self.stats.total_update_pause_s += pause
 
-    def publish_due_scores(self) -> None:
-        """Deterministic mode: publish the groups whose scores are due by the decode clock,
-        in the order they were sent, waiting for their verifiers if need be; none while a
-        snapshot's drain holds them."""
-        assert self.score_queue is not None
-        idle = self.in_flight == 0
-        while not self.draining:
-            key = self.score_queue.pop_due(self.stats.decode_steps, idle)
-            if key is None:
-                return
-            self._await_scores([key])
-            self.publish(self._scored.pop(key))
-
-    def _await_scores(self, keys: list[str]) -> None:
-        """Until the verifiers' scores of every group in `keys` are in `_scored`."""
-        assert self.scorer is not None
-        while missing := [key for key in keys if key not in self._scored]:
-            self._scored.update((s.key, s) for s in self.scorer.poll())
-            if any(key not in self._scored for key in missing):
-                self.scorer.wait(0.005)
-
-    def maybe_snapshot(self) -> None:
-        """Deterministic mode: once a snapshot's drain has emptied the engine, write this
-        actor's state (its groups waiting for their scores with the scores, all counters and
-        clocks) for a resume from the trainer's checkpoint of the version held."""
-        if not self.draining or self.in_flight:
-            return
-        assert self.score_queue is not None
-        waiting = [key for key, _ in self.score_queue.entries()]
-        assert sorted(waiting) == sorted(self._groups), "a started group is neither in the "\
-            "engine nor waiting for its scores"
-        self._await_scores(waiting)
-        path = write_snapshot(self.cfg.run_dir, self.actor_id, self.engine.version,
-                              self.state())
-        log.info("snapshot of version %d after %d groups written to %s", self.engine.version,
-                 self.published, path)
-        self.draining = False
-
     def state(self) -> dict[str, Any]:
-        """Everything a deterministic actor's next moves depend on, the engine empty (its
-        weights are the trainer's checkpoint of `version`)."""
-        assert self.mirror is not None and self.score_queue is not None
-        return {"version": self.engine.version, "published": self.published,
-                "restart": self.restart, "next_group": self._next_group,
-                "rng": self.rng.getstate(), "task_position": getattr(self.task, "position", None),
-                "groups": dict(self._groups), "score_queue": self.score_queue.entries(),
-                "scored": dict(self._scored), "mirror": (self.mirror.usable, self.mirror.dropped),
-                "view": self.view.state(),
-                "stats": self.stats.counts(),
+        """The actor's part of a deterministic snapshot (the lockstep adds its clocks): its
+        counts, groups waiting for their scores and generators."""
+        return {"published": self.published, "restart": self.restart,
+                "next_group": self._next_group, "rng": self.rng.getstate(),
+                "task_position": getattr(self.task, "position", None),
+                "groups": dict(self._groups), "stats": self.stats.counts(),
                 "env": None if self.rollouts is None else self.rollouts.stats.counts()}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a snapshot `state`: the weights of its version from the trainer (which
-        publishes them on resuming from that step), then every counter and clock as it was."""
-        assert self.mirror is not None and self.view is not None
-        assert self.score_queue is not None
-        self._await_version(state["version"])
+        """Continue from a snapshot `state`: the lockstep lands its version and takes back its
+        clocks, then every counter of the actor's is as it was."""
+        assert self.lockstep is not None
+        self.lockstep.restore(state)
         self.published, self.restart = state["published"], state["restart"]
         self._next_group = state["next_group"]
         self.rng.setstate(state["rng"])
         if state["task_position"] is not None:
             self.task.seek(state["task_position"])
-        self._groups, self._scored = dict(state["groups"]), dict(state["scored"])
-        self.score_queue.restore(state["score_queue"])
-        self.mirror.usable, self.mirror.dropped = state["mirror"]
-        self.view.restore(state["view"])
+        self._groups = dict(state["groups"])
         self.stats.restore_counts(state["stats"])
         if self.rollouts is not None:
             self.rollouts.stats.restore_counts(state["env"])
         self.streams.ledger.set(self.actor_id, self.claimed())
-
-    def land_due_weights(self) -> None:
-        """Deterministic mode, after each group published: load the version the trainer
-        mirror says is now due, waiting for the trainer to publish it (or to stop). Right
-        after the group that makes it due, so the trainer cannot have gone past it yet."""
-        assert self.mirror is not None and self.view is not None
-        should_stop = self.streams.should_stop
-        if (not self.view.catch_up(self.published, should_stop)
-                or not self.view.trains(self.published + 1, should_stop)):
-            return  # stopped, or no later group of this actor trained: its weights don't matter
-        due = self.mirror.version_due()
-        if self.streams.receiver is None or due <= self.engine.version:
-            return
-        self._await_version(due)
-        if self.snapshot_every and due % self.snapshot_every == 0:
-            self.draining = True
-
-    def _await_version(self, version: int) -> None:
-        """Wait for the trainer to publish `version` (or to stop), and load it."""
-        receiver = self.streams.receiver
-        assert receiver is not None
-        t0 = time.monotonic()
-        while self.engine.version != version:
-            available = receiver.poll()
-            if available is not None and available > version:
-                raise RuntimeError(f"the trainer published version {available} while the actor "
-                                   f"waited for {version}: deterministic mode's schedule is "
-                                   "broken")
-            if available == version:
-                self.maybe_update_weights()  # loads nothing if a write began meanwhile
-                if self.engine.version > version:
-                    raise RuntimeError(f"loaded version {self.engine.version}, expected "
-                                       f"{version}")
-                continue
-            if self.streams.should_stop():
-                return
-            time.sleep(0.002)
-        self.stats.idle_s += time.monotonic() - t0
 
     def claimed(self) -> int:
         """This actor's places (see pipelinerl.rollouts.admission)."""
@@ -525,12 +417,8 @@ class Actor:
         After a refusal, ask again only once the weights or the trainer's drops changed or
         0.1 s passed (another actor may have given a place back), not on every loop."""
         limit = self.schedule.limit(self.engine.version)
-        if self.mirror is not None:
-            # Its next group's place in the trainer's order, less the drops the mirror has
-            # seen there (those the trainer will make, not those it said yet): no other
-            # actor's timing counts.
-            place = self.claimed() * self.cfg.actor.num_actors + self.actor_id
-            return place - self.mirror.dropped < limit
+        if self.lockstep is not None:
+            return self.lockstep.admits(self.claimed(), limit)
         returned = self.streams.returned()
         refused = self._refused
         if refused is not None and refused[:2] == (limit, returned) and time.monotonic() - refused[2] < 0.1:
@@ -554,7 +442,7 @@ class Actor:
             self.in_flight += 1
 
     def fill(self) -> None:
-        if self.needs_weights or self.draining or (self.view is not None and self.view.complete):
+        if self.needs_weights or (self.lockstep is not None and not self.lockstep.admitting):
             return
         long_in_a_row = 0
         while self._room_for_a_group() and self.claim_place():
@@ -610,10 +498,9 @@ class Actor:
         return True
 
     def _sampling_of(self, group_id: str, attempt: int) -> SamplingParams:
-        """Deterministic mode: each attempt draws from a sampler of its own."""
-        if self.mirror is None:
+        if self.lockstep is None:
             return self.sampling
-        return replace(self.sampling, seed=request_seed(self.cfg.seed, group_id, attempt))
+        return self.lockstep.sampling_of(self.sampling, group_id, attempt)
 
     def _new_group_id(self) -> str:
         self._next_group += 1
@@ -657,8 +544,8 @@ class Actor:
             self._drop(pending, group.failure)
             return
         pending.outputs = group.attempts  # held, with its place, until its scores are in
-        if self.score_queue is not None:
-            self.score_queue.expect(group.key, self.stats.decode_steps)
+        if self.lockstep is not None:
+            self.lockstep.expect_scores(group.key, self.stats.decode_steps)
 
     def publish(self, scored: Scored) -> None:
         pending = self._groups.pop(scored.key)
@@ -692,9 +579,7 @@ class Actor:
             # Every advantage would be 0, so no gradient: dropped like a failed verification.
             self._drop(pending, "zero_variance")
             return
-        if self.view is not None and not self.view.trains(self.published + 1,
-                                                          self.streams.should_stop):
-            # No step trains it, and whether it comes before the stop record is timing.
+        if self.lockstep is not None and not self.lockstep.trains(self.published + 1):
             return
         self.stats.groups_published += 1
         self.published += 1
@@ -710,12 +595,8 @@ class Actor:
         )
         self.streams.writer.write(group.to_dict())
         self._last_write = time.monotonic()
-        if self.view is not None:
-            oldest = oldest_version(group)
-            if self.published_log is not None:
-                self.published_log.append(self.cfg.attempt, self.published, oldest)
-            self.view.publish(self.published, oldest)
-            self.land_due_weights()
+        if self.lockstep is not None:
+            self.lockstep.on_published(group)  # before the next group: the version due lands
 
 
 def open_endpoint(cfg: Config, actor_id: int, tokenizer: PreTrainedTokenizerBase,
@@ -790,26 +671,10 @@ def run_actor(cfg: Config, actor_id: int) -> None:
     actor = Actor(cfg, engine, task, codec, streams, actor_id=actor_id, predecessor=predecessor,
                   endpoint=endpoint, episodes=episodes)
     try:
-        actor.run(resume=_snapshot_to_resume(cfg, actor_id))
+        actor.run(resume=snapshot_to_resume(cfg, actor_id))
     finally:
         streams.close()
         control.close()
-
-
-def _snapshot_to_resume(cfg: Config, actor_id: int) -> dict[str, Any] | None:
-    """A resumed deterministic run's actor continues the snapshot the launcher paired with the
-    trainer's checkpoint; None: it starts as the first attempt's did (no such pair, or not a
-    resumed deterministic run)."""
-    if not (cfg.deterministic.enabled and cfg.attempt):
-        return None
-    point = resume_point(cfg.run_dir, cfg.attempt)
-    if point.snapshots is None:
-        log.info("actor %d starts again from the run's start (no checkpoint with a snapshot)",
-                 actor_id)
-        return None
-    log.info("actor %d continues from its snapshot of version %d after %d groups (%s)",
-             actor_id, point.step, point.seqs[actor_id], point.snapshots[actor_id])
-    return read_snapshot(point.snapshots[actor_id])
 
 
 def _check_actor_id(cfg: Config, actor_id: int) -> None:
