@@ -31,7 +31,8 @@ FLOORS: list[list[str]] = [
     ["cli.py"],
 ]
 # roles/wiring.py and roles/heldout.py are what they share, roles/actor_lockstep.py the actor's
-# deterministic mode: machinery beside the roles, not roles
+# deterministic mode, roles/starting_model.py the launcher's warm start: machinery beside the
+# roles, not roles
 ROLES = {"actor", "trainer", "evaluator", "launch"}
 FLOOR_OF = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 

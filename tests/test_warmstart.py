@@ -368,7 +368,7 @@ def test_two_runs_warm_starting_one_new_entry_at_once_build_it_once(
             if "waiting for another process building" in record.getMessage():
                 waiting.set()
 
-    def slow_build(task, cfg, base_model_dir, key, out: Path, progress) -> None:
+    def slow_build(task, cfg, base_model_dir, key, out: Path, progress, demos) -> None:
         with builds.one():
             waiting.wait(10)  # the other run is at the lock, however late it came
             out.mkdir()

@@ -438,8 +438,8 @@ class ToolsConfig(_Section):
     max_reply_chars: int = Field(default=2000, gt=0, description="a longer reply is cut")
     # The system prompt that offers the tools when the chat template renders none of its own:
     # "{tools}" stands for the specs, one JSON object a line. Empty: the Hermes-style prompt
-    # (tools/chat.py's HERMES_PROMPT, ~280 tokens for one tool; a short one saves a small model
-    # that cost in every sample).
+    # (tools/chat.py's HERMES_PROMPT; the tools example's prompt was ~330 tokens with it, and a
+    # small model pays for every one in every sample).
     prompt: str = ""
     # deterministic mode, or any run: take the replies recorded in this run directory instead
     # of calling (`pipelinerl train --replay-tools RUN_DIR`).
